@@ -1,0 +1,136 @@
+"""Start-up hook that makes ``lm_eval --model safe-ensemble`` work with no user code.
+
+lm-eval 0.4.x has no plugin discovery for models, so a ``.pth`` file imports this module in
+every interpreter of the environment. It must cost nothing measurable: it only installs a
+meta-path finder that waits for three lm-eval modules and patches them right after they
+execute. Nothing of lm-eval, torch or transformers is imported until lm-eval itself is.
+
+- ``lm_eval.api.registry``: register ``safe-ensemble`` as a lazy placeholder. lm-eval only
+  imports its built-in model table when the registry is *empty*, so import
+  ``lm_eval.models`` first or ``--model hf`` would disappear.
+- ``lm_eval._cli.utils``: the CLI rejects ``--model_args members=a,b`` (``expected
+  key=value, got 'b'``) before any model code runs; fold bare items into the preceding key.
+- ``lm_eval.loggers.evaluation_tracker``: give ensemble runs a stable output folder name
+  instead of a random id (lm-eval only knows ``pretrained=``-style keys).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+PLACEHOLDER = "lm_eval_safe.model:SafeEnsembleLM"
+
+
+def register_model() -> None:
+    import lm_eval.models  # noqa: F401  (fills the registry with the built-ins first)
+    from lm_eval.api.registry import model_registry
+
+    if "safe-ensemble" not in model_registry:
+        model_registry.register("safe-ensemble", target=PLACEHOLDER)
+
+
+def fold_bare_items(items: list[str]) -> list[tuple[str, str]]:
+    """Turn ``["members=a", "b", "drafter=b"]`` into ``[("members", "a,b"), ("drafter", "b")]``.
+
+    A bare item (no ``=``) can only be a continuation of the previous value that a comma split.
+    """
+    pairs: list[tuple[str, str]] = []
+    for item in items:
+        if "=" in item:
+            key, value = item.split("=", 1)
+            pairs.append((key.strip(), value))
+        elif pairs:
+            key, value = pairs[-1]
+            pairs[-1] = (key, f"{value},{item}")
+        else:
+            raise ValueError(f"expected `key=value`, got {item!r}")
+    return pairs
+
+
+def _patch_cli_utils(module: ModuleType) -> None:
+    original = module.key_val_to_dict
+
+    def key_val_to_dict(args: str) -> dict[str, Any]:
+        try:
+            return original(args)
+        except ValueError:
+            pairs = fold_bare_items(module.split_top_level(args))
+            # Keep comma-joined lists as strings: the CLI's literal_eval would turn "1,2" into a tuple
+            # and "a,b" stays a string anyway; SafeEnsembleLM parses both.
+            return {k: (v if "," in v else module.handle_cli_value_string(v)) for k, v in pairs}
+
+    key_val_to_dict.__wrapped__ = original  # type: ignore[attr-defined]
+    module.key_val_to_dict = key_val_to_dict
+
+
+def _patch_tracker(module: ModuleType) -> None:
+    tracker = module.GeneralConfigTracker
+    original = tracker._get_model_name
+
+    def _get_model_name(model_args: Any) -> str | None:
+        from lm_eval_safe.options import stable_run_name
+
+        name = stable_run_name(model_args)
+        return name if name is not None else original(model_args)
+
+    tracker._get_model_name = staticmethod(_get_model_name)
+
+
+HOOKS: dict[str, Callable[[ModuleType], None]] = {
+    "lm_eval.api.registry": lambda _module: register_model(),
+    "lm_eval._cli.utils": _patch_cli_utils,
+    "lm_eval.loggers.evaluation_tracker": _patch_tracker,
+}
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself; wraps the real loader of a watched module to run a hook after it."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        hook = HOOKS.get(fullname)
+        if hook is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        original_exec = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            original_exec(module)
+            try:
+                hook(module)
+            except Exception as exc:  # a broken hook must never break lm-eval itself
+                import logging
+
+                logging.getLogger("lm_eval_safe").warning(
+                    "lm-eval-safe could not patch %s: %s", fullname, exc
+                )
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def install() -> None:
+    if any(isinstance(f, _PostImportFinder) for f in sys.meta_path):
+        return
+    sys.meta_path.insert(0, _PostImportFinder())
+    # The process may have imported lm-eval before this ran (e.g. an explicit register()).
+    for name, hook in HOOKS.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            hook(module)
+
+
+install()

@@ -1,0 +1,398 @@
+"""The SAFE decoder: one loop, pluggable schedules (SAFE_SPEC §3, §6, §7).
+
+Each cycle the drafter proposes up to ``draft_len`` tokens with its KV cache; a *schedule*
+decides whether and where to ensemble among them; verifiers re-tokenize the generated text and
+run one forward pass over what their caches do not already hold. The baselines of the paper
+(every-token UniTE, GaC's threshold gate, the drafter alone) are schedules of the same loop,
+so speed and accuracy comparisons compare policies, not code bases.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lm_eval_safe.aggregate import Choice, UnionVocabulary, View, gac, unite
+from lm_eval_safe.members import Member, cache_root
+from lm_eval_safe.options import SafeOptions
+from lm_eval_safe.stats import GenerationStats
+from lm_eval_safe.vocabulary import EOS_KEY, is_char_boundary
+
+logger = logging.getLogger(__name__)
+
+
+def _new_cache() -> Any:
+    from transformers import DynamicCache
+
+    # No config: every layer keeps full states, so sliding-window models can be cropped anywhere.
+    return DynamicCache()
+
+
+def crop_cache(cache: Any, length: int) -> None:
+    current = cache.get_seq_length()
+    if length < current:
+        cache.crop(length - current)
+
+
+def valid_utf8_prefix(data: bytes) -> str:
+    """The longest prefix of ``data`` that decodes; a draft may end inside a multi-byte character."""
+    for cut in range(0, 4):
+        try:
+            return data[: len(data) - cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return data.decode("utf-8", errors="ignore")
+
+
+class WindowExhausted(RuntimeError):
+    """A verifier's context window is full; the request continues with the drafter alone."""
+
+
+@torch.inference_mode()
+def forward_logprobs(member: Member, ids: list[int], cache: Any, keep_last: int) -> torch.Tensor:
+    """Log-softmax of the last ``keep_last`` positions, restricted to the tokenizer's ids.
+
+    Models may pad the embedding matrix beyond the tokenizer (Qwen: 151936 vs 152064 rows):
+    those rows are not tokens and never take part.
+    """
+    input_ids = torch.tensor([ids], dtype=torch.long, device=member.model.device)
+    out = member.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=keep_last)
+    logits = out.logits[0, -keep_last:, : len(member.vocab)]
+    return torch.log_softmax(logits.float(), dim=-1).cpu()
+
+
+class DrafterRun:
+    """The drafter's decoding state for one request: KV cache plus ids not yet fed."""
+
+    def __init__(self, member: Member, prompt_ids: list[int]):
+        self.member = member
+        self.cache = _new_cache()
+        self.prompt_len = len(prompt_ids)
+        self.pending = list(prompt_ids)
+
+    def draft(self, n: int) -> tuple[list[int], list[torch.Tensor]]:
+        tokens: list[int] = []
+        logprobs: list[torch.Tensor] = []
+        for _ in range(n):
+            row = forward_logprobs(self.member, self.pending, self.cache, 1)[0]
+            token = int(torch.argmax(row))
+            tokens.append(token)
+            logprobs.append(row)
+            self.pending = [token]
+            if token in self.member.eos_ids:
+                break
+        return tokens, logprobs
+
+    def rewind(self, generated_kept: int, pending: list[int]) -> None:
+        """Drop drafted tokens from the cache: keep the prompt and ``generated_kept`` tokens."""
+        crop_cache(self.cache, self.prompt_len + generated_kept)
+        self.pending = list(pending)
+
+
+class VerifierRun:
+    """A verifier's state for one request: its tokenization of the text and a reusable KV cache.
+
+    ``pred[i]`` holds the log-probabilities predicting generated token ``i`` (``pred[0]`` comes
+    from the prompt). When the text grows, the cache is kept up to the longest prefix of the old
+    ids that the new tokenization still starts with (BPE may re-merge the last tokens), and only
+    the rest is recomputed. The prompt is never recomputed.
+    """
+
+    def __init__(self, member: Member, prompt_ids: list[int], reuse_cache: bool = True):
+        self.member = member
+        self.prompt_ids = list(prompt_ids)
+        self.reuse_cache = reuse_cache
+        self.cache = _new_cache()
+        self.gen_ids: list[int] = []
+        self.pred: dict[int, torch.Tensor] = {}
+        self.recomputed = 0
+
+    def _prefill(self) -> None:
+        self.pred[0] = forward_logprobs(self.member, self.prompt_ids, self.cache, 1)[0]
+
+    def sync(self, text: str, text_bytes: bytes) -> tuple[list[int], list[int] | None]:
+        """Tokenize the generated ``text`` and make ``pred`` cover every index of it.
+
+        Returns the ids and each token's end offset in ``text_bytes`` (None if the ids do not
+        spell the text exactly, in which case no position of this text counts as aligned).
+        """
+        if 0 not in self.pred:
+            self._prefill()
+        ids = self.member.vocab.encode_text(self.member.tokenizer, text)
+        if len(self.prompt_ids) + len(ids) > self.member.max_length:
+            raise WindowExhausted(self.member.name)
+        keep = 0
+        if self.reuse_cache:
+            limit = min(len(ids), len(self.gen_ids))
+            while keep < limit and ids[keep] == self.gen_ids[keep]:
+                keep += 1
+        start = keep if keep in self.pred else keep - 1
+        for stale in [i for i in self.pred if i > start]:
+            del self.pred[stale]
+        feed = ids[start:]
+        crop_cache(self.cache, len(self.prompt_ids) + start)
+        if feed:
+            rows = forward_logprobs(self.member, feed, self.cache, len(feed))
+            for offset, row in enumerate(rows):
+                self.pred[start + 1 + offset] = row
+            self.recomputed += len(feed)
+        self.gen_ids = ids
+        return ids, self.member.vocab.token_ends(ids, text_bytes[: len(text.encode("utf-8"))])
+
+    def forget_before(self, index: int) -> None:
+        """Free rows no future boundary can need (row 0, the prompt's, is kept: it is cheap)."""
+        for stale in [i for i in self.pred if 0 < i < index]:
+            del self.pred[stale]
+
+
+@dataclass
+class EnsemblePoint:
+    position: int  # index into the drafted tokens
+    views: list[View]
+
+
+class SafeDecoder:
+    """Greedy generation with one drafter and any number of verifiers."""
+
+    def __init__(self, members: list[Member], drafter_index: int, options: SafeOptions):
+        self.options = options
+        self.drafter = members[drafter_index]
+        self.verifiers = [m for i, m in enumerate(members) if i != drafter_index]
+        weights = options.weights or [1.0] * len(members)
+        self.weights = [weights[drafter_index]] + [
+            w for i, w in enumerate(weights) if i != drafter_index
+        ]
+        self.schedule = options.schedule if self.verifiers else "drafter"
+        self._union: UnionVocabulary | None = None
+
+    @property
+    def union(self) -> UnionVocabulary:
+        if self._union is None:
+            vocabs = [self.drafter.vocab] + [v.vocab for v in self.verifiers]
+            self._union = UnionVocabulary.build(vocabs, cache_root(self.options.cache_dir))
+        return self._union
+
+    # -- prompts -------------------------------------------------------------------------
+    def prompt_ids(self, member: Member, context: str, reserve: int) -> list[int]:
+        ids = member.encode(member.render_context(context))
+        if not ids:
+            raise ValueError(
+                f"empty prompt for member {member.name!r}: safe-ensemble needs a non-empty context to continue"
+            )
+        room = max(1, member.max_length - reserve)
+        if len(ids) > room:
+            logger.warning(
+                "prompt of %d tokens exceeds %s's window (%d) minus %d generation tokens; keeping the last %d",
+                len(ids),
+                member.name,
+                member.max_length,
+                reserve,
+                room,
+            )
+            ids = ids[-room:]
+        return ids
+
+    # -- one request ---------------------------------------------------------------------
+    def generate(
+        self, context: str, until: list[str], max_new_tokens: int
+    ) -> tuple[str, GenerationStats]:
+        start_time = time.perf_counter()
+        stats = GenerationStats()
+        drafter = self.drafter
+        run = DrafterRun(drafter, self.prompt_ids(drafter, context, max_new_tokens))
+        verifiers: list[VerifierRun] = []
+        if self.schedule != "drafter":
+            for member in self.verifiers:
+                reserve = min(member.max_length // 2, 2 * max_new_tokens + 8)
+                verifiers.append(
+                    VerifierRun(
+                        member,
+                        self.prompt_ids(member, context, reserve),
+                        self.options.verifier_cache,
+                    )
+                )
+        schedule = self.schedule
+        generated: list[int] = []
+        generated_bytes = b""
+        text = ""
+        while len(generated) < max_new_tokens:
+            budget = max_new_tokens - len(generated)
+            n = 1 if schedule == "every" else min(self.options.draft_len, budget)
+            tokens, logprobs = run.draft(n)
+            stats.drafted_tokens += len(tokens)
+            stats.cycles += 1
+            point = None
+            if schedule != "drafter":
+                try:
+                    point = self._find_point(
+                        schedule, verifiers, generated_bytes, tokens, logprobs, stats
+                    )
+                except WindowExhausted as exc:
+                    logger.warning(
+                        "verifier %s ran out of context window; continuing with the drafter alone",
+                        exc,
+                    )
+                    schedule = "drafter"
+            if point is None:
+                stats.accepted_tokens += len(tokens)
+            else:
+                j = point.position
+                choice = self._aggregate(point.views)
+                replacement = self._to_drafter_ids(choice, tokens[j])
+                stats.ensemble_ops += 1
+                stats.sharpened_ops += int(choice.sharpened)
+                stats.accepted_tokens += j + int(replacement[:1] == tokens[j : j + 1])
+                tokens = tokens[:j] + replacement
+                run.rewind(len(generated) + j, replacement)
+            eos_at = next((i for i, t in enumerate(tokens) if t in drafter.eos_ids), None)
+            if eos_at is not None:
+                tokens = tokens[: eos_at + 1]
+            generated.extend(tokens)
+            generated_bytes += drafter.vocab.spell(tokens)
+            for verifier in verifiers:
+                verifier.forget_before(len(verifier.gen_ids) - 2 * self.options.draft_len - 4)
+            text = drafter.tokenizer.decode(generated[:max_new_tokens], skip_special_tokens=True)
+            if eos_at is not None or _find_stop(text, until) is not None:
+                break
+        generated = generated[:max_new_tokens]
+        stats.generated_tokens = len(generated)
+        stats.verifier_positions = sum(v.recomputed for v in verifiers)
+        stats.wall_seconds = time.perf_counter() - start_time
+        stop = _find_stop(text, until)
+        return (text if stop is None else text[:stop]), stats
+
+    # -- schedules -----------------------------------------------------------------------
+    def _find_point(
+        self,
+        schedule: str,
+        verifiers: list[VerifierRun],
+        committed: bytes,
+        tokens: list[int],
+        logprobs: list[torch.Tensor],
+        stats: GenerationStats,
+    ) -> EnsemblePoint | None:
+        vocab = self.drafter.vocab
+        if schedule == "every":
+            return EnsemblePoint(0, self._views_at_end(verifiers, committed, logprobs[0]))
+        if schedule == "threshold":
+            for j, row in enumerate(logprobs):
+                if float(row.max().exp()) < self.options.threshold:
+                    prefix = committed + vocab.spell(tokens[:j])
+                    return EnsemblePoint(j, self._views_at_end(verifiers, prefix, row))
+            return None
+        # safe / aligned: positions where every tokenizer has a boundary
+        full = committed + vocab.spell(tokens)
+        text = valid_utf8_prefix(full)
+        synced = []
+        for verifier in verifiers:
+            ids, ends = verifier.sync(text, full)
+            if ends is None:
+                return None
+            synced.append((verifier, ids, ends))
+        offset = len(committed)
+        for j, token in enumerate(tokens):
+            here = offset
+            offset += len(vocab.text_bytes[token])
+            is_eos = token in self.drafter.eos_ids
+            if (not is_eos and here == offset) or not is_char_boundary(full, here):
+                continue
+            indices: list[tuple[int, int]] = []
+            for verifier, ids, ends in synced:
+                i = bisect.bisect_right(ends, here)
+                if here > 0 and (i == 0 or ends[i - 1] != here):
+                    break
+                own = ids[i] if i < len(ids) else (verifier.member.eos_id if is_eos else None)
+                if own is None or (is_eos and i < len(ids)):
+                    break
+                indices.append((i, own))
+            else:
+                stats.aligned_positions += 1
+                views = [View(logprobs[j], vocab, self.drafter.tokenizer, self.weights[0])]
+                views += [
+                    View(verifier.pred[i], verifier.member.vocab, verifier.member.tokenizer, w)
+                    for (verifier, _, _), (i, _), w in zip(
+                        synced, indices, self.weights[1:], strict=True
+                    )
+                ]
+                if schedule == "safe" and self._consensus(
+                    views, token, [own for _, own in indices]
+                ):
+                    continue
+                return EnsemblePoint(j, views)
+        return None
+
+    def _consensus(self, views: list[View], token: int, own_ids: list[int]) -> bool:
+        """SAFE's skip rules: (a) every verifier's argmax is its own next token, or (b) the mean
+        probability of each member's own next token exceeds 0.5; GaC adds its own drafter gate."""
+        drafter_p = float(views[0].logprobs[token].exp())
+        if self.options.aggregator == "gac" and drafter_p >= 0.5:
+            return True
+        if all(
+            int(torch.argmax(v.logprobs)) == own for v, own in zip(views[1:], own_ids, strict=True)
+        ):
+            return True
+        probs = [drafter_p] + [
+            float(v.logprobs[own].exp()) for v, own in zip(views[1:], own_ids, strict=True)
+        ]
+        total = sum(v.weight for v in views)
+        mean = sum(v.weight * p for v, p in zip(views, probs, strict=True)) / total
+        return mean > 0.5
+
+    def _views_at_end(
+        self, verifiers: list[VerifierRun], text_bytes: bytes, drafter_row: torch.Tensor
+    ) -> list[View]:
+        """Views after each verifier's full tokenization of the text (OOV-like where misaligned:
+        the behaviour of the every-token and threshold baselines)."""
+        text = valid_utf8_prefix(text_bytes)
+        views = [View(drafter_row, self.drafter.vocab, self.drafter.tokenizer, self.weights[0])]
+        for verifier, weight in zip(verifiers, self.weights[1:], strict=True):
+            ids, _ = verifier.sync(text, text_bytes)
+            views.append(
+                View(
+                    verifier.pred[len(ids)],
+                    verifier.member.vocab,
+                    verifier.member.tokenizer,
+                    weight,
+                )
+            )
+        return views
+
+    # -- ensembling ----------------------------------------------------------------------
+    def _aggregate(self, views: list[View]) -> Choice:
+        o = self.options
+        if o.aggregator == "gac":
+            return gac(views, self.union, o.sharpen, o.sharpen_lambda, o.top_k)
+        return unite(views, o.sharpen, o.sharpen_lambda, o.top_k)
+
+    def _to_drafter_ids(self, choice: Choice, drafted: int) -> list[int]:
+        """The chosen string as drafter ids (SAFE_SPEC §4): gac keeps all ids, unite the first."""
+        vocab = self.drafter.vocab
+        if choice.key == EOS_KEY:
+            eos = self.drafter.eos_id
+            return [eos] if eos is not None else [drafted]
+        if vocab.keys[drafted] == choice.key:
+            return [drafted]
+        if choice.key in vocab.lookup:
+            return [vocab.lookup[choice.key]]
+        if choice.key.startswith(b"\x00"):
+            return [drafted]  # another member's special token: the drafter cannot say it
+        try:
+            text = choice.key.decode("utf-8")
+        except UnicodeDecodeError:
+            return [drafted]
+        ids = vocab.encode_text(self.drafter.tokenizer, text)
+        if not ids:
+            return [drafted]
+        return ids if self.options.aggregator == "gac" else ids[:1]
+
+
+def _find_stop(text: str, until: list[str]) -> int | None:
+    """Earliest index where any stop string starts (stop strings may span tokens)."""
+    hits = [text.find(s) for s in until if s]
+    hits = [h for h in hits if h >= 0]
+    return min(hits) if hits else None

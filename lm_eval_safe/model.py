@@ -1,0 +1,207 @@
+"""``safe-ensemble``: the lm-eval model class. It parses options, loads members and delegates
+``generate_until`` to :class:`SafeDecoder` and ``loglikelihood`` to :mod:`scoring`."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from lm_eval.api.model import LM
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
+from tqdm import tqdm
+
+from lm_eval_safe import __version__
+from lm_eval_safe._autoregister import fold_bare_items
+from lm_eval_safe.decoding import SafeDecoder
+from lm_eval_safe.members import CHAT_MARKER, Member, load_member
+from lm_eval_safe.options import OptionError, SafeOptions, parse_options, resolve_drafter_index
+from lm_eval_safe.scoring import combine, score_member
+from lm_eval_safe.stats import GenerationStats
+
+logger = logging.getLogger("lm_eval_safe")
+
+
+def parse_arg_string(arg_string: str) -> dict[str, Any]:
+    """``members=a,b,drafter=b`` -> ``{"members": "a,b", "drafter": "b"}`` (lm-eval's own parser
+    would make ``b`` a key of its own)."""
+    text = (arg_string or "").strip()
+    if not text:
+        return {}
+    if text.startswith("{"):
+        return dict(json.loads(text))
+    from lm_eval._cli.utils import split_top_level
+
+    return dict(fold_bare_items(split_top_level(text)))
+
+
+class SafeEnsembleLM(LM):
+    """An ensemble of causal LMs with different tokenizers, decoded with SAFE."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__()
+        self.options: SafeOptions = parse_options(kwargs)
+        opts = self.options
+        self.drafter_index = resolve_drafter_index(opts.drafter, opts.members)
+        devices = opts.member_devices or [opts.device] * len(opts.members)
+        self.members: list[Member] = [
+            load_member(
+                spec,
+                index=i,
+                device=devices[i],
+                dtype=opts.dtype,
+                trust_remote_code=opts.trust_remote_code,
+                cache_dir=opts.cache_dir,
+                max_length=opts.max_length,
+                add_bos_token=opts.add_bos_token,
+            )
+            for i, spec in enumerate(opts.members)
+        ]
+        self.decoder = SafeDecoder(self.members, self.drafter_index, opts)
+        self.run_stats = GenerationStats()
+        self.request_stats: list[dict[str, Any]] = []
+        if len(self.members) == 1:
+            logger.info(
+                "safe-ensemble with one member (%s): single-model path", self.members[0].name
+            )
+
+    # -- construction from lm-eval ---------------------------------------------------------
+    @classmethod
+    def create_from_arg_string(
+        cls, arg_string: str, additional_config: dict | None = None
+    ) -> SafeEnsembleLM:
+        return cls.create_from_arg_obj(parse_arg_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(
+        cls, arg_dict: dict[str, Any], additional_config: dict | None = None
+    ) -> SafeEnsembleLM:
+        """Merge the CLI's ``device``/``batch_size`` with model_args; model_args win."""
+        args = dict(arg_dict)
+        # a dict from lm-eval's plain parser: {"members": "a", "b": ""} -> fold "b" back in
+        bare = [k for k, v in args.items() if v == "" and k not in SafeOptions.__dataclass_fields__]
+        if bare and "members" in args:
+            args["members"] = ",".join([str(args["members"]), *bare])
+            for key in bare:
+                del args[key]
+        for key, value in (additional_config or {}).items():
+            if value is not None and key not in args:
+                args[key] = value
+        return cls(**args)
+
+    # -- lm-eval properties ----------------------------------------------------------------
+    @property
+    def drafter(self) -> Member:
+        return self.members[self.drafter_index]
+
+    @property
+    def tokenizer_name(self) -> str:
+        return "+".join(m.name for m in self.members)
+
+    @property
+    def max_length(self) -> int:
+        return self.drafter.max_length
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self.options.max_gen_toks
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        if not chat_template:
+            return None
+        return json.dumps({m.name: m.tokenizer.chat_template for m in self.members})
+
+    def apply_chat_template(
+        self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """Defer rendering: each member renders the conversation with its own template later."""
+        for member in self.members:
+            if not getattr(member.tokenizer, "chat_template", None):
+                raise OptionError(
+                    f"--apply_chat_template: member {member.name!r} has no chat template; drop the flag"
+                )
+        payload = {"messages": chat_history, "add_generation_prompt": add_generation_prompt}
+        return CHAT_MARKER + json.dumps(payload, ensure_ascii=False)
+
+    def get_model_info(self) -> dict[str, Any]:
+        """Configuration and SAFE statistics, saved by lm-eval in the results' ``config``."""
+        opts = self.options.public_dict()
+        return {
+            "lm_eval_safe_version": __version__,
+            "members": [m.describe() for m in self.members],
+            "drafter": self.drafter.name,
+            "schedule": self.decoder.schedule,
+            "aggregator": opts["aggregator"],
+            "safe_options": opts,
+            "safe_stats": self.run_stats.summary(),
+        }
+
+    # -- requests --------------------------------------------------------------------------
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        results: list[str] = []
+        eos_text = (
+            self.drafter.tokenizer.decode([self.drafter.eos_id])
+            if self.drafter.eos_id is not None
+            else None
+        )
+        for index, request in enumerate(
+            tqdm(
+                requests,
+                disable=disable_tqdm or self.rank != 0,
+                desc="Running generate_until requests",
+            )
+        ):
+            context, gen_kwargs = request.args
+            kwargs = normalize_gen_kwargs(dict(gen_kwargs or {}), self.max_gen_toks)
+            if kwargs.get("do_sample"):
+                raise OptionError(
+                    "safe-ensemble decodes greedily; remove do_sample=True / temperature>0 from --gen_kwargs"
+                )
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos_text)
+            max_gen_toks = int(kwargs.pop("max_gen_toks"))
+            if max_gen_toks >= self.drafter.max_length:
+                raise OptionError(
+                    f"max_gen_toks={max_gen_toks} must be less than {self.drafter.name}'s window ({self.drafter.max_length})"
+                )
+            text, stats = self.decoder.generate(context, until, max_gen_toks)
+            self.run_stats.add(stats)
+            self.request_stats.append({"request": index, **stats.summary()})
+            logger.debug("request %d: %s", index, stats.line())
+            results.append(text)
+            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+        if requests and self.decoder.schedule != "drafter":
+            logger.info(
+                "SAFE %s/%s: %s",
+                self.decoder.schedule,
+                self.options.aggregator,
+                self.run_stats.line(),
+            )
+        return results
+
+    def _weights(self) -> list[float]:
+        return self.options.weights or [1.0] * len(self.members)
+
+    def loglikelihood(
+        self, requests: list[Any], disable_tqdm: bool = False
+    ) -> list[tuple[float, bool]]:
+        results = []
+        for request in tqdm(
+            requests, disable=disable_tqdm or self.rank != 0, desc="Running loglikelihood requests"
+        ):
+            context, continuation = request.args
+            scores = [score_member(m, context, continuation) for m in self.members]
+            total_bytes = len(continuation.encode("utf-8"))
+            if context and not context.startswith(CHAT_MARKER):
+                total_bytes += len(context) - len(context.rstrip())
+            logprob, greedy = combine(
+                scores, self._weights(), self.options.ll_aggregate, total_bytes
+            )
+            results.append((logprob, greedy))
+            self.cache_hook.add_partial("loglikelihood", (context, continuation), (logprob, greedy))
+        return results
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        raise NotImplementedError(
+            "loglikelihood_rolling is not supported by safe-ensemble yet (perplexity tasks); "
+            "use a generate_until or multiple_choice task"
+        )

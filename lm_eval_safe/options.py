@@ -1,0 +1,253 @@
+"""Parsing and validation of ``--model_args`` for ``safe-ensemble``.
+
+Everything a user can type reaches the model as one validated :class:`SafeOptions`, so a typo
+fails in one line before any model is loaded, and the rest of the code never re-parses strings.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+SCHEDULES = ("safe", "every", "aligned", "threshold", "drafter")
+AGGREGATORS = ("gac", "unite")
+SHARPENINGS = ("heuristic", "geometric", "none")
+LL_AGGREGATES = ("mean", "logmean")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class OptionError(ValueError):
+    """A model_args problem the user can fix; the message is one line saying how."""
+
+
+def split_list(value: Any, what: str) -> list[str]:
+    """Accept ``a,b``, ``a|b``, a JSON/Python list literal, or a real list/tuple."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [str(v).strip() for v in value if str(v).strip()]
+    if not isinstance(value, str):
+        return [str(value)]
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError:
+            try:
+                parsed = ast.literal_eval(text)
+            except (ValueError, SyntaxError) as exc:
+                raise OptionError(
+                    f"{what}={value!r} is not a valid list; write a,b or a|b"
+                ) from exc
+        return split_list(list(parsed), what)
+    sep = "|" if "|" in text else ","
+    return [part.strip() for part in text.split(sep) if part.strip()]
+
+
+def _as_bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise OptionError(f"{key}={value!r} must be true or false")
+
+
+def _as_number(value: Any, key: str, kind: type) -> Any:
+    try:
+        return kind(value)
+    except (TypeError, ValueError) as exc:
+        raise OptionError(f"{key}={value!r} must be a {kind.__name__}") from exc
+
+
+def _choice(value: Any, key: str, choices: tuple[str, ...]) -> str:
+    text = str(value).strip().lower()
+    if text not in choices:
+        raise OptionError(f"unknown {key}={value!r}; choose one of: {', '.join(choices)}")
+    return text
+
+
+@dataclass
+class SafeOptions:
+    """All knobs of the backend, with the paper's best setting as defaults (UniTE+SAFE)."""
+
+    members: list[str]
+    drafter: str | None = None
+    schedule: str = "safe"
+    aggregator: str = "unite"
+    sharpen: str = "heuristic"
+    sharpen_lambda: float = 0.1
+    top_k: int = 10
+    weights: list[float] | None = None
+    draft_len: int = 5
+    threshold: float = 0.5
+    ll_aggregate: str = "mean"
+    dtype: str = "auto"
+    device: str | None = None
+    member_devices: list[str] | None = None
+    trust_remote_code: bool = False
+    batch_size: int | str = 1
+    max_batch_size: int = 64
+    max_length: int | None = None
+    max_gen_toks: int = 256
+    cache_dir: str | None = None
+    verifier_cache: bool = True
+    add_bos_token: bool | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def public_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("extra")
+        return data
+
+
+_KNOWN = {f.name for f in fields(SafeOptions)} - {"extra"}
+# Keys lm-eval itself passes or that users commonly pass to every backend; accepted, not used.
+_IGNORED = {"max_batch_size_auto", "pretrained", "parallelize"}
+
+
+def parse_options(raw: dict[str, Any]) -> SafeOptions:
+    """Validate a merged model_args dict; unknown keys are an error, never silently ignored."""
+    raw = {k: v for k, v in raw.items()}
+    unknown = sorted(k for k in raw if k not in _KNOWN and k not in _IGNORED)
+    if "pretrained" in raw and "members" not in raw:
+        raw["members"] = raw["pretrained"]
+    if unknown:
+        raise OptionError(
+            f"unknown model_args key(s) {', '.join(map(repr, unknown))} for safe-ensemble; "
+            f"known keys: {', '.join(sorted(_KNOWN))}"
+        )
+    members = split_list(raw.get("members"), "members")
+    if not members:
+        raise OptionError(
+            "safe-ensemble needs members=, e.g. --model_args members=smollm2-135m,gemma3-270m"
+        )
+    opts = SafeOptions(members=members)
+    if raw.get("drafter") not in (None, ""):
+        opts.drafter = str(raw["drafter"]).strip()
+    for key, choices in (
+        ("schedule", SCHEDULES),
+        ("aggregator", AGGREGATORS),
+        ("sharpen", SHARPENINGS),
+        ("ll_aggregate", LL_AGGREGATES),
+        ("dtype", DTYPES),
+    ):
+        if raw.get(key) is not None:
+            setattr(opts, key, _choice(raw[key], key, choices))
+    for key in ("sharpen_lambda", "threshold"):
+        if raw.get(key) is not None:
+            setattr(opts, key, _as_number(raw[key], key, float))
+    for key in ("top_k", "draft_len", "max_batch_size", "max_gen_toks", "max_length"):
+        if raw.get(key) is not None:
+            setattr(opts, key, _as_number(raw[key], key, int))
+    for key in ("trust_remote_code", "verifier_cache"):
+        if raw.get(key) is not None:
+            setattr(opts, key, _as_bool(raw[key], key))
+    if raw.get("add_bos_token") is not None:
+        opts.add_bos_token = _as_bool(raw["add_bos_token"], "add_bos_token")
+    if raw.get("device") not in (None, ""):
+        opts.device = str(raw["device"])
+    if raw.get("member_devices") not in (None, ""):
+        opts.member_devices = split_list(raw["member_devices"], "member_devices")
+    if raw.get("cache_dir") not in (None, ""):
+        opts.cache_dir = str(raw["cache_dir"])
+    if raw.get("batch_size") not in (None, ""):
+        bs = str(raw["batch_size"]).strip()
+        opts.batch_size = "auto" if bs.startswith("auto") else _as_number(bs, "batch_size", int)
+    if raw.get("weights") not in (None, ""):
+        opts.weights = [
+            _as_number(w, "weights", float) for w in split_list(raw["weights"], "weights")
+        ]
+    _validate(opts)
+    return opts
+
+
+def _validate(opts: SafeOptions) -> None:
+    n = len(opts.members)
+    if opts.draft_len < 1:
+        raise OptionError(f"draft_len={opts.draft_len} must be at least 1")
+    if opts.top_k < 1:
+        raise OptionError(f"top_k={opts.top_k} must be at least 1")
+    if not 0.0 < opts.threshold <= 1.0:
+        raise OptionError(f"threshold={opts.threshold} must be in (0, 1]")
+    if not 0.0 <= opts.sharpen_lambda < 1.0:
+        raise OptionError(f"sharpen_lambda={opts.sharpen_lambda} must be in [0, 1)")
+    if opts.max_gen_toks < 1:
+        raise OptionError(f"max_gen_toks={opts.max_gen_toks} must be at least 1")
+    if opts.weights is not None:
+        if len(opts.weights) != n:
+            raise OptionError(
+                f"weights has {len(opts.weights)} values for {n} members; give one weight per member"
+            )
+        if any(w < 0 for w in opts.weights) or sum(opts.weights) <= 0:
+            raise OptionError(f"weights={opts.weights} must be non-negative and not all zero")
+    if opts.member_devices is not None and len(opts.member_devices) != n:
+        raise OptionError(
+            f"member_devices has {len(opts.member_devices)} entries for {n} members; give one per member"
+        )
+    if opts.drafter is not None:
+        resolve_drafter_index(opts.drafter, opts.members)
+
+
+def member_display_name(spec: str) -> str:
+    """Short, filesystem-safe name of a member spec (alias, folder or file name)."""
+    from pathlib import PurePath
+
+    name = PurePath(spec.rstrip("/")).name or spec
+    for suffix in (".gguf",):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+    return name
+
+
+def resolve_drafter_index(drafter: str | int | None, members: list[str]) -> int:
+    if drafter is None:
+        return 0
+    text = str(drafter).strip()
+    if text.isdigit():
+        index = int(text)
+        if index >= len(members):
+            raise OptionError(
+                f"drafter={drafter} is out of range; there are {len(members)} members"
+            )
+        return index
+    for index, spec in enumerate(members):
+        if text in (spec, member_display_name(spec)):
+            return index
+    names = ", ".join(member_display_name(m) for m in members)
+    raise OptionError(f"drafter={drafter!r} names no member; choose one of: {names} (or an index)")
+
+
+def stable_run_name(model_args: Any) -> str | None:
+    """Folder name for lm-eval's output: members, drafter, schedule and aggregator, not a random id."""
+    if isinstance(model_args, str):
+        from lm_eval_safe._autoregister import fold_bare_items
+
+        try:
+            args = dict(fold_bare_items([p for p in model_args.split(",") if p]))
+        except ValueError:
+            return None
+    elif isinstance(model_args, dict):
+        args = model_args
+    else:
+        return None
+    if "members" not in args:
+        return None
+    try:
+        members = split_list(args["members"], "members")
+        drafter = members[resolve_drafter_index(args.get("drafter"), members)]
+    except (OptionError, IndexError):
+        return None
+    names = [member_display_name(m) for m in members]
+    if len(names) == 1:
+        return f"safe-ensemble__{names[0]}"
+    schedule = str(args.get("schedule", "safe")).lower()
+    aggregator = str(args.get("aggregator", "unite")).lower()
+    return (
+        f"safe-ensemble__{'+'.join(names)}__drafter-{member_display_name(drafter)}"
+        f"__{schedule}-{aggregator}"
+    )

@@ -1,0 +1,57 @@
+"""Run statistics of SAFE_SPEC §8: what a user needs to judge speed and how often we ensembled."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass
+class GenerationStats:
+    generated_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    ensemble_ops: int = 0
+    aligned_positions: int = 0
+    cycles: int = 0
+    verifier_positions: int = (
+        0  # verifier tokens run through a forward pass (recomputation included)
+    )
+    sharpened_ops: int = 0
+    wall_seconds: float = 0.0
+
+    def add(self, other: GenerationStats) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    @property
+    def ensemble_rate(self) -> float:
+        """E/T in percent: ensembled tokens per generated token."""
+        return 100.0 * self.ensemble_ops / self.generated_tokens if self.generated_tokens else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    def summary(self) -> dict[str, float]:
+        data: dict[str, float] = asdict(self)
+        data["ensemble_rate_percent"] = round(self.ensemble_rate, 4)
+        data["acceptance_rate"] = round(self.acceptance_rate, 4)
+        data["tokens_per_second"] = round(self.tokens_per_second, 3)
+        data["verifier_positions_per_token"] = (
+            round(self.verifier_positions / self.generated_tokens, 4)
+            if self.generated_tokens
+            else 0.0
+        )
+        data["wall_seconds"] = round(self.wall_seconds, 3)
+        return data
+
+    def line(self) -> str:
+        return (
+            f"tokens={self.generated_tokens} ensembles={self.ensemble_ops} "
+            f"E/T={self.ensemble_rate:.2f}% acceptance={self.acceptance_rate:.3f} "
+            f"tok/s={self.tokens_per_second:.2f} verifier_positions={self.verifier_positions}"
+        )
