@@ -278,12 +278,12 @@ class SafeDecoder:
     ) -> EnsemblePoint | None:
         vocab = self.drafter.vocab
         if schedule == "every":
-            return EnsemblePoint(0, self._views_at_end(verifiers, committed, logprobs[0]))
+            return EnsemblePoint(0, self._views_at_end(verifiers, committed, logprobs[0], stats))
         if schedule == "threshold":
             for j, row in enumerate(logprobs):
                 if float(row.max().exp()) < self.options.threshold:
                     prefix = committed + vocab.spell(tokens[:j])
-                    return EnsemblePoint(j, self._views_at_end(verifiers, prefix, row))
+                    return EnsemblePoint(j, self._views_at_end(verifiers, prefix, row, stats))
             return None
         # safe / aligned: positions where every tokenizer has a boundary
         full = committed + vocab.spell(tokens)
@@ -344,22 +344,23 @@ class SafeDecoder:
         return mean > 0.5
 
     def _views_at_end(
-        self, verifiers: list[VerifierRun], text_bytes: bytes, drafter_row: torch.Tensor
+        self,
+        verifiers: list[VerifierRun],
+        text_bytes: bytes,
+        drafter_row: torch.Tensor,
+        stats: GenerationStats,
     ) -> list[View]:
         """Views after each verifier's full tokenization of the text (OOV-like where misaligned:
-        the behaviour of the every-token and threshold baselines)."""
+        the behaviour of the every-token and threshold baselines, counted in the stats)."""
         text = valid_utf8_prefix(text_bytes)
+        aligned = len(text.encode("utf-8")) == len(text_bytes)
         views = [View(drafter_row, self.drafter.vocab, self.drafter.tokenizer, self.weights[0])]
         for verifier, weight in zip(verifiers, self.weights[1:], strict=True):
-            ids, _ = verifier.sync(text, text_bytes)
-            views.append(
-                View(
-                    verifier.pred[len(ids)],
-                    verifier.member.vocab,
-                    verifier.member.tokenizer,
-                    weight,
-                )
-            )
+            ids, ends = verifier.sync(text, text_bytes)
+            aligned = aligned and ends is not None and (not ends or ends[-1] == len(text_bytes))
+            member = verifier.member
+            views.append(View(verifier.pred[len(ids)], member.vocab, member.tokenizer, weight))
+        stats.misaligned_ensembles += int(not aligned)
         return views
 
     # -- ensembling ----------------------------------------------------------------------

@@ -305,7 +305,8 @@ class Member:
     def vocab(self) -> Any:
         from lm_eval_safe.vocabulary import TokenVocabulary
 
-        return TokenVocabulary.for_tokenizer(self.tokenizer)
+        # generation_config may name more stop ids than the tokenizer (Gemma's <end_of_turn>)
+        return TokenVocabulary.for_tokenizer(self.tokenizer, extra_eos=self.eos_ids)
 
     @cached_property
     def eos_ids(self) -> frozenset[int]:

@@ -190,11 +190,11 @@ class SafeEnsembleLM(LM):
         ):
             context, continuation = request.args
             scores = [score_member(m, context, continuation) for m in self.members]
-            total_bytes = len(continuation.encode("utf-8"))
+            scored_text = continuation
             if context and not context.startswith(CHAT_MARKER):
-                total_bytes += len(context) - len(context.rstrip())
+                scored_text = context[len(context.rstrip()) :] + continuation
             logprob, greedy = combine(
-                scores, self._weights(), self.options.ll_aggregate, total_bytes
+                scores, self._weights(), self.options.ll_aggregate, scored_text.encode("utf-8")
             )
             results.append((logprob, greedy))
             self.cache_hook.add_partial("loglikelihood", (context, continuation), (logprob, greedy))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from lm_eval_safe.members import Member
+from lm_eval_safe.vocabulary import is_char_boundary
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def score_member(member: Member, context: str, continuation: str) -> MemberScore
 
 
 def combine(
-    scores: list[MemberScore], weights: list[float], how: str, total_bytes: int
+    scores: list[MemberScore], weights: list[float], how: str, text: bytes
 ) -> tuple[float, bool]:
     """Ensemble log-probability over common boundaries and the is_greedy flag (see module doc).
 
@@ -102,7 +103,8 @@ def combine(
         return sum(scores[0].logprobs), all(scores[0].greedy)
     known = [s.ends for s in scores if s.ends is not None]
     cuts = set.intersection(*(set(e) for e in known)) if known else set()
-    cuts = sorted(c for c in cuts if 0 < c < total_bytes) + [total_bytes]
+    total_bytes = len(text)
+    cuts = sorted(c for c in cuts if 0 < c < total_bytes and is_char_boundary(text, c)) + [total_bytes]
     norm = [w / sum(weights) for w in weights]
     total, greedy, start = 0.0, True, 0
     for stop in cuts:

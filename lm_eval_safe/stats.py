@@ -17,6 +17,7 @@ class GenerationStats:
         0  # verifier tokens run through a forward pass (recomputation included)
     )
     sharpened_ops: int = 0
+    misaligned_ensembles: int = 0  # every/threshold baselines: ensembles at OOV-like positions
     wall_seconds: float = 0.0
 
     def add(self, other: GenerationStats) -> None:

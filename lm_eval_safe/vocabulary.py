@@ -85,6 +85,7 @@ class TokenVocabulary:
         eos = {i for i in (tokenizer.eos_token_id,) if i is not None} | set(extra_eos)
         text_bytes: list[bytes] = []
         keys: list[bytes] = []
+        byte_ids: set[int] = set()
         for token_id, piece in enumerate(pieces):
             piece = piece if piece is not None else ""
             if token_id in eos:
@@ -96,16 +97,21 @@ class TokenVocabulary:
                 key = text
             elif match := _BYTE_PIECE.match(piece):
                 text = key = bytes([int(match.group(1), 16)])
+                byte_ids.add(token_id)
             elif byte_level and all(ch in byte_map for ch in piece):
                 text = key = bytes(byte_map[ch] for ch in piece)
             else:
                 text = key = piece.replace("\u2581", " ").encode("utf-8")
             text_bytes.append(text)
             keys.append(key)
+
+        def rank(i: int) -> int:  # a piece the model predicts, then byte fallback, then special
+            return 2 if i in special else 1 if i in byte_ids else 0
+
         lookup: dict[bytes, int] = {}
         for token_id, key in enumerate(keys):
             current = lookup.get(key)
-            if key and (current is None or (current in special and token_id not in special)):
+            if key and (current is None or rank(token_id) < rank(current)):
                 lookup[key] = token_id
         probe = tokenizer.encode("a", add_special_tokens=False)
         adds_prefix_space = bool(probe) and text_bytes[probe[0]].startswith(b" ")

@@ -1,0 +1,46 @@
+"""Small helpers shared by tests: building the LM, requests, and references."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from lm_eval.api.instance import Instance
+
+WORDS = (
+    "the cat sat on a mat and then 12 dogs ran over 3 hills while Anna counted 45 apples "
+    "in the garden because numbers like 7 and 8 sum to 15 so we write \\frac{1}{2} or \\boxed{42} "
+    "café naïve über 数学 question answer total clips sold"
+).split()
+
+
+def gen_request(context: str, **gen_kwargs: Any) -> Instance:
+    return Instance(request_type="generate_until", doc={}, arguments=(context, gen_kwargs), idx=0)
+
+
+def ll_request(context: str, continuation: str) -> Instance:
+    return Instance(request_type="loglikelihood", doc={}, arguments=(context, continuation), idx=0)
+
+
+def random_prompts(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) for _ in range(n)]
+
+
+def make_lm(*members: Path | str, **options: Any) -> Any:
+    from lm_eval_safe.model import SafeEnsembleLM
+
+    return SafeEnsembleLM(members=[str(m) for m in members], device="cpu", **options)
+
+
+def hf_greedy_text(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int) -> str:
+    """transformers' own greedy decoding, the reference every schedule must reduce to."""
+    import torch
+
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)

@@ -1,0 +1,144 @@
+"""The ``members=`` grammar and option validation, including lm-eval's CLI parser after the hook."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from lm_eval_safe.model import SafeEnsembleLM, parse_arg_string
+from lm_eval_safe.options import OptionError, parse_options, stable_run_name
+
+GRAMMAR = [
+    ("members=a,b", {"members": "a,b"}),
+    ("members=a,b,drafter=b,dtype=float32", {"members": "a,b", "drafter": "b", "dtype": "float32"}),
+    ("members=a|b|c,schedule=every", {"members": "a|b|c", "schedule": "every"}),
+    ('members=["a","b"],top_k=5', {"members": '["a","b"]', "top_k": "5"}),
+    ('{"members": ["a", "b"], "draft_len": 3}', {"members": ["a", "b"], "draft_len": 3}),
+    ("members=/x/y.gguf,org/model", {"members": "/x/y.gguf,org/model"}),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), GRAMMAR)
+def test_arg_string_grammar(text: str, expected: dict) -> None:
+    assert parse_arg_string(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("members", "expected"),
+    [
+        ("a,b", ["a", "b"]),
+        ("a|b", ["a", "b"]),
+        (["a", "b"], ["a", "b"]),
+        ('["a", "b"]', ["a", "b"]),
+        ("['a', 'b']", ["a", "b"]),
+        (" a , b ", ["a", "b"]),
+        ("a", ["a"]),
+    ],
+)
+def test_members_forms(members: object, expected: list[str]) -> None:
+    assert parse_options({"members": members}).members == expected
+
+
+def test_lm_eval_plain_parser_dict_is_folded_back() -> None:
+    """lm-eval's own string parser turns members=a,b into {'members': 'a', 'b': ''}."""
+    from lm_eval.utils import simple_parse_args_string
+
+    broken = simple_parse_args_string("members=a,b,drafter=b")
+    assert broken == {"members": "a", "b": "", "drafter": "b"}
+    captured = {}
+
+    class Probe(SafeEnsembleLM):
+        def __init__(self, **kwargs):  # noqa: D401 - capture instead of loading models
+            captured.update(kwargs)
+
+    Probe.create_from_arg_obj(broken, {"device": "cpu", "batch_size": "4", "max_batch_size": None})
+    assert captured == {"members": "a,b", "drafter": "b", "device": "cpu", "batch_size": "4"}
+
+
+def test_model_args_win_over_cli_device() -> None:
+    captured = {}
+
+    class Probe(SafeEnsembleLM):
+        def __init__(self, **kwargs):
+            captured.update(kwargs)
+
+    Probe.create_from_arg_string("members=a,b,device=cpu", {"device": "cuda:0", "batch_size": 1})
+    assert captured["device"] == "cpu" and captured["batch_size"] == 1
+
+
+@pytest.mark.parametrize(
+    ("raw", "fragment"),
+    [
+        ({}, "needs members="),
+        ({"members": ""}, "needs members="),
+        ({"members": "a,b", "bogus": 1}, "unknown model_args key(s) 'bogus'"),
+        ({"members": "a,b", "schedule": "sometimes"}, "unknown schedule='sometimes'"),
+        ({"members": "a,b", "aggregator": "max"}, "unknown aggregator"),
+        ({"members": "a,b", "sharpen": "x"}, "unknown sharpen"),
+        ({"members": "a,b", "draft_len": 0}, "draft_len=0 must be at least 1"),
+        ({"members": "a,b", "weights": "1"}, "weights has 1 values for 2 members"),
+        ({"members": "a,b", "weights": "1,-1"}, "must be non-negative"),
+        ({"members": "a,b", "drafter": "c"}, "drafter='c' names no member"),
+        ({"members": "a,b", "drafter": "5"}, "out of range"),
+        ({"members": "a,b", "top_k": "x"}, "top_k='x' must be a int"),
+        ({"members": "a,b", "member_devices": "cpu"}, "member_devices has 1 entries"),
+    ],
+)
+def test_bad_options_fail_in_one_line(raw: dict, fragment: str) -> None:
+    with pytest.raises(OptionError) as info:
+        parse_options(raw)
+    assert fragment in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_drafter_by_name_and_index() -> None:
+    from lm_eval_safe.options import resolve_drafter_index
+
+    assert resolve_drafter_index("b", ["x/a", "x/b"]) == 1
+    assert resolve_drafter_index("1", ["a", "b"]) == 1
+    assert resolve_drafter_index(None, ["a", "b"]) == 0
+    assert resolve_drafter_index("m", ["/p/m.gguf", "q"]) == 0
+
+
+def test_unknown_member_and_missing_file() -> None:
+    from lm_eval_safe.members import resolve_source
+
+    with pytest.raises(OptionError, match="unknown member 'nosuchmodel'.*alias"):
+        resolve_source("nosuchmodel")
+    with pytest.raises(OptionError, match="no such .gguf file"):
+        resolve_source("/nonexistent/model.gguf")
+
+
+def test_stable_run_name() -> None:
+    assert stable_run_name("members=a,b,schedule=every") == "safe-ensemble__a+b__drafter-a__every-unite"
+    assert stable_run_name({"members": "x/m1|x/m2", "drafter": "m2"}) == (
+        "safe-ensemble__m1+m2__drafter-m2__safe-unite"
+    )
+    assert stable_run_name({"members": "m1"}) == "safe-ensemble__m1"
+    assert stable_run_name({"pretrained": "gpt2"}) is None
+
+
+def test_hook_keeps_builtins_and_patches_cli_in_fresh_process() -> None:
+    """The .pth hook registers safe-ensemble lazily without hiding lm-eval's own models."""
+    code = (
+        "import sys\n"
+        "from lm_eval.api.registry import get_model, model_registry\n"
+        "assert 'torch' not in sys.modules, 'registration must not import torch'\n"
+        "assert get_model('hf').__name__ == 'HFLM'\n"
+        "assert 'safe-ensemble' in model_registry\n"
+        "from lm_eval._cli.utils import key_val_to_dict\n"
+        "print(key_val_to_dict('members=a,b,drafter=b,dtype=float32'))\n"
+        "from lm_eval.loggers.evaluation_tracker import GeneralConfigTracker as G\n"
+        "print(G._get_model_name({'members': 'a,b'}), G._get_model_name({'pretrained': 'gpt2'}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "{'members': 'a,b', 'drafter': 'b', 'dtype': 'float32'}" in out
+    assert "safe-ensemble__a+b__drafter-a__safe-unite gpt2" in out
+
+
+def test_unrelated_interpreter_does_not_import_lm_eval() -> None:
+    code = "import sys; print(sorted(m for m in sys.modules if m.startswith(('lm_eval', 'torch'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['lm_eval_safe', 'lm_eval_safe._autoregister']"

@@ -1,0 +1,131 @@
+"""The real pretrained GGUF members (SmolLM2-135M, Gemma-3-270M, Qwen2.5-Coder-0.5B) on a few
+examples: the truth check behind the tiny-model suite. Needs ../shared (CI has it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import gen_request, ll_request
+
+pytestmark = pytest.mark.real
+
+# Base-style prompt: SmolLM2-Instruct answers the bare zero-shot prompt with EOS unless chat-templated.
+MATH_PROMPT = "Question: {q}\nAnswer: Let's think step by step."
+
+
+@pytest.fixture(scope="module")
+def models(real_models_dir: Path) -> Path:
+    os.environ["LM_EVAL_SAFE_MODELS"] = str(real_models_dir)
+    return real_models_dir
+
+
+@pytest.fixture(scope="module")
+def smollm(models: Path):
+    from lm_eval_safe.model import SafeEnsembleLM
+
+    return SafeEnsembleLM(members="smollm2-135m", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def pair(models: Path):
+    from lm_eval_safe.model import SafeEnsembleLM
+
+    return SafeEnsembleLM(members="smollm2-135m,gemma3-270m", device="cpu")
+
+
+def _gsm8k(shared_dir: Path, n: int) -> list[dict]:
+    lines = (shared_dir / "data" / "gsm8k" / "test.jsonl").read_text().splitlines()[:n]
+    return [json.loads(line) for line in lines]
+
+
+def test_smollm2_single_member_equals_hf_generate(smollm, shared_dir: Path) -> None:
+    from helpers import hf_greedy_text
+
+    member = smollm.members[0]
+    for row in _gsm8k(shared_dir, 2):
+        prompt = f"Question: {row['question']}\nAnswer:"
+        expected = hf_greedy_text(member.model, member.tokenizer, prompt, 40)
+        (got,) = smollm.generate_until([gen_request(prompt, until=[], max_gen_toks=40)], disable_tqdm=True)
+        assert got == expected
+        cut = expected.split("\n")[0]
+        (got,) = smollm.generate_until([gen_request(prompt, until=["\n"], max_gen_toks=40)], disable_tqdm=True)
+        assert got == cut
+
+
+def test_smollm2_loglikelihood_equals_lm_eval_hf(smollm) -> None:
+    from lm_eval.models.huggingface import HFLM
+
+    member = smollm.members[0]
+    folder = Path(member.model.name_or_path)
+    assert (folder / "complete.json").is_file(), "expected the converted safetensors cache"
+    hf = HFLM(pretrained=str(folder), device="cpu", dtype="float32", batch_size=1)
+    requests = [
+        ll_request("The capital of France is", " Paris"),
+        ll_request("2 + 2 =", " 4"),
+        ll_request("Q: Is the sky blue?\nA:", " Yes, it is."),
+        ll_request("", "Hello world"),
+    ]
+    for (a, ga), (b, gb) in zip(
+        smollm.loglikelihood(requests, disable_tqdm=True), hf.loglikelihood(requests, disable_tqdm=True), strict=True
+    ):
+        assert a == pytest.approx(b, abs=1e-4) and ga == gb
+
+
+def test_pair_on_gsm8k_reports_stats(pair, shared_dir: Path) -> None:
+    """SmolLM2 drafting, Gemma-3 verifying: five GSM8K questions, 128 new tokens each."""
+    rows = _gsm8k(shared_dir, 5)
+    requests = [gen_request(MATH_PROMPT.format(q=r["question"]), until=[], max_gen_toks=128) for r in rows]
+    outputs = pair.generate_until(requests, disable_tqdm=True)
+    assert all(o.strip() for o in outputs)
+    stats = pair.get_model_info()["safe_stats"]
+    print(json.dumps(stats, indent=1))
+    assert stats["generated_tokens"] >= 5 * 20
+    assert 0 < stats["ensemble_rate_percent"] < 100
+    assert 0 < stats["acceptance_rate"] <= 1
+    assert stats["verifier_positions"] > 0
+
+
+def test_three_real_members(models: Path) -> None:
+    from lm_eval_safe.model import SafeEnsembleLM
+
+    lm = SafeEnsembleLM(members="gemma3-270m|smollm2-135m|qwen2.5-coder-0.5b", aggregator="gac", device="cpu")
+    (out,) = lm.generate_until(
+        [gen_request("Question: What is 12 times 3?\nAnswer:", until=["Question:"], max_gen_toks=24)],
+        disable_tqdm=True,
+    )
+    assert out.strip() and "Question:" not in out
+    info = lm.get_model_info()
+    assert [m["name"] for m in info["members"]] == ["gemma3-270m", "smollm2-135m", "qwen2.5-coder-0.5b"]
+    assert info["safe_stats"]["cycles"] > 0
+
+
+def test_lm_eval_cli_end_to_end(models: Path, shared_dir: Path, tmp_path: Path) -> None:
+    """The literal user command, in a subprocess, with members=a,b from the CLI."""
+    repo = Path(__file__).resolve().parents[1]
+    cmd = [
+        sys.executable, "-m", "lm_eval", "run",
+        "--model", "safe-ensemble",
+        "--model_args", "members=smollm2-135m,gemma3-270m,max_gen_toks=24",
+        "--tasks", "safe_gsm8k",
+        "--include_path", str(repo / "tasks"),
+        "--metadata", json.dumps({"data_dir": str(shared_dir / "data")}),
+        "--limit", "2",
+        "--output_path", str(tmp_path),
+    ]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = list(tmp_path.rglob("results_*.json"))
+    assert len(results) == 1
+    assert results[0].parent.name == "safe-ensemble__smollm2-135m+gemma3-270m__drafter-smollm2-135m__safe-unite"
+    data = json.loads(results[0].read_text())
+    config = data["config"]
+    assert [m["name"] for m in config["members"]] == ["smollm2-135m", "gemma3-270m"]
+    assert config["drafter"] == "smollm2-135m" and config["schedule"] == "safe"
+    assert config["safe_stats"]["generated_tokens"] > 0
+    assert "safe_gsm8k" in data["results"]
