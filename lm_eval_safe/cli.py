@@ -15,9 +15,6 @@ def main(argv: list[str] | None = None) -> None:
 
     install()
     args = list(sys.argv[1:] if argv is None else argv)
-    subcommands = {"run", "ls", "validate"}
-    if args and args[0] not in subcommands and not args[0].startswith("-"):
-        pass
     if (
         not any(a == "--model" or a.startswith("--model=") for a in args)
         and "-h" not in args

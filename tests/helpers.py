@@ -8,11 +8,7 @@ from typing import Any
 
 from lm_eval.api.instance import Instance
 
-WORDS = (
-    "the cat sat on a mat and then 12 dogs ran over 3 hills while Anna counted 45 apples "
-    "in the garden because numbers like 7 and 8 sum to 15 so we write \\frac{1}{2} or \\boxed{42} "
-    "café naïve über 数学 question answer total clips sold"
-).split()
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "12", "dogs", "ran", "over", "3", "hills", "while", "Anna", "counted", "45", "apples", "in", "the", "garden", "because", "numbers", "like", "7", "and", "8", "sum", "to", "15", "so", "we", "write", "\\frac{1}{2}", "or", "\\boxed{42}", "café", "naïve", "über", "数学", "question", "answer", "total", "clips", "sold"]
 
 
 def gen_request(context: str, **gen_kwargs: Any) -> Instance:

@@ -110,8 +110,9 @@ def test_lm_eval_cli_end_to_end(models: Path, shared_dir: Path, tmp_path: Path) 
     cmd = [
         sys.executable, "-m", "lm_eval", "run",
         "--model", "safe-ensemble",
-        "--model_args", "members=smollm2-135m,gemma3-270m,max_gen_toks=24",
-        "--tasks", "safe_gsm8k",
+        "--model_args", "members=smollm2-135m,gemma3-270m",
+        "--tasks", "safe_gsm8k,safe_math500,safe_bbh_paper",
+        "--gen_kwargs", "max_gen_toks=12",
         "--include_path", str(repo / "tasks"),
         "--metadata", json.dumps({"data_dir": str(shared_dir / "data")}),
         "--limit", "2",
@@ -128,4 +129,5 @@ def test_lm_eval_cli_end_to_end(models: Path, shared_dir: Path, tmp_path: Path) 
     assert [m["name"] for m in config["members"]] == ["smollm2-135m", "gemma3-270m"]
     assert config["drafter"] == "smollm2-135m" and config["schedule"] == "safe"
     assert config["safe_stats"]["generated_tokens"] > 0
-    assert "safe_gsm8k" in data["results"]
+    for task in ("safe_gsm8k", "safe_math500", "safe_bbh_paper", "safe_bbh_snarks"):
+        assert task in data["results"], task
