@@ -54,15 +54,25 @@ class WindowExhausted(RuntimeError):
 
 
 @torch.inference_mode()
-def forward_logprobs(member: Member, ids: list[int], cache: Any, keep_last: int) -> torch.Tensor:
-    """Log-softmax of the last ``keep_last`` positions, restricted to the tokenizer's ids.
+def forward_logprobs(member: Member, ids: list[int], cache: Any, keep: int | list[int]) -> torch.Tensor:
+    """Feed ``ids`` through the cache; log-softmax at the last ``keep`` positions (an int) or at
+    the listed positions of ``ids``, restricted to the tokenizer's ids.
 
-    Models may pad the embedding matrix beyond the tokenizer (Qwen: 151936 vs 152064 rows):
-    those rows are not tokens and never take part.
+    Only the needed rows go through the output layer: for a 262k vocabulary it costs more than
+    the rest of a small model. Models may pad the embedding matrix beyond the tokenizer (Qwen:
+    151936 vs 152064 rows): those rows are not tokens and never take part.
     """
     input_ids = torch.tensor([ids], dtype=torch.long, device=member.model.device)
-    out = member.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=keep_last)
-    logits = out.logits[0, -keep_last:, : len(member.vocab)]
+    if isinstance(keep, int):
+        to_keep: int | torch.Tensor = keep
+    else:
+        to_keep = torch.tensor(keep if keep else [len(ids) - 1], dtype=torch.long, device=input_ids.device)
+    out = member.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=to_keep)
+    logits = out.logits[0, :, : len(member.vocab)]
+    if isinstance(keep, int):
+        logits = logits[-keep:]
+    elif not keep:
+        logits = logits[:0]
     return torch.log_softmax(logits.float(), dim=-1).cpu()
 
 
@@ -115,34 +125,54 @@ class VerifierRun:
     def _prefill(self) -> None:
         self.pred[0] = forward_logprobs(self.member, self.prompt_ids, self.cache, 1)[0]
 
-    def sync(self, text: str, text_bytes: bytes) -> tuple[list[int], list[int] | None]:
-        """Tokenize the generated ``text`` and make ``pred`` cover every index of it.
+    def sync(
+        self, text: str, text_bytes: bytes, want_offsets: set[int] | None = None
+    ) -> tuple[list[int], list[int] | None]:
+        """Tokenize the generated ``text`` and feed what the cache lacks in one forward pass.
 
-        Returns the ids and each token's end offset in ``text_bytes`` (None if the ids do not
-        spell the text exactly, in which case no position of this text counts as aligned).
+        ``pred`` then holds the distributions predicting the token at each byte offset in
+        ``want_offsets`` that is one of this verifier's token boundaries (``None``: at the end
+        of the text only). Returns the ids and each token's end offset in ``text_bytes`` (None if
+        the ids do not spell the text exactly: then no position of this text is aligned).
         """
         if 0 not in self.pred:
             self._prefill()
         ids = self.member.vocab.encode_text(self.member.tokenizer, text)
         if len(self.prompt_ids) + len(ids) > self.member.max_length:
             raise WindowExhausted(self.member.name)
+        ends = self.member.vocab.token_ends(ids, text_bytes[: len(text.encode("utf-8"))])
         keep = 0
         if self.reuse_cache:
             limit = min(len(ids), len(self.gen_ids))
             while keep < limit and ids[keep] == self.gen_ids[keep]:
                 keep += 1
-        start = keep if keep in self.pred else keep - 1
-        for stale in [i for i in self.pred if i > start]:
+        # rows up to index `keep` depend only on unchanged tokens and stay valid
+        for stale in [i for i in self.pred if i > keep]:
             del self.pred[stale]
+        wanted = {len(ids)} if want_offsets is None else self._indices_at(want_offsets, ends)
+        missing = sorted(i for i in wanted if i not in self.pred)
+        start = min(keep, missing[0] - 1) if missing else keep  # pred[0] always exists
         feed = ids[start:]
         crop_cache(self.cache, len(self.prompt_ids) + start)
         if feed:
-            rows = forward_logprobs(self.member, feed, self.cache, len(feed))
-            for offset, row in enumerate(rows):
-                self.pred[start + 1 + offset] = row
+            rows = forward_logprobs(self.member, feed, self.cache, [i - 1 - start for i in missing])
+            for i, row in zip(missing, rows, strict=True):
+                self.pred[i] = row
             self.recomputed += len(feed)
         self.gen_ids = ids
-        return ids, self.member.vocab.token_ends(ids, text_bytes[: len(text.encode("utf-8"))])
+        return ids, ends
+
+    @staticmethod
+    def _indices_at(offsets: set[int], ends: list[int] | None) -> set[int]:
+        """Token index predicted at each byte offset that is a token boundary."""
+        if ends is None:
+            return set()
+        found = set()
+        for offset in offsets:
+            i = bisect.bisect_right(ends, offset)
+            if offset == 0 or (i > 0 and ends[i - 1] == offset):
+                found.add(i)
+        return found
 
     def forget_before(self, index: int) -> None:
         """Free rows no future boundary can need (row 0, the prompt's, is kept: it is cheap)."""
@@ -285,15 +315,11 @@ class SafeDecoder:
                     prefix = committed + vocab.spell(tokens[:j])
                     return EnsemblePoint(j, self._views_at_end(verifiers, prefix, row, stats))
             return None
-        # safe / aligned: positions where every tokenizer has a boundary
+        # safe / aligned: drafter-side filters first, so a cycle with no candidate position
+        # costs no verifier forward at all (the verifier caches catch up in a later cycle).
         full = committed + vocab.spell(tokens)
-        text = valid_utf8_prefix(full)
-        synced = []
-        for verifier in verifiers:
-            ids, ends = verifier.sync(text, full)
-            if ends is None:
-                return None
-            synced.append((verifier, ids, ends))
+        gac_gate = schedule == "safe" and self.options.aggregator == "gac"
+        candidates: list[tuple[int, int]] = []  # (drafted index, byte offset before it)
         offset = len(committed)
         for j, token in enumerate(tokens):
             here = offset
@@ -301,6 +327,22 @@ class SafeDecoder:
             is_eos = token in self.drafter.eos_ids
             if (not is_eos and here == offset) or not is_char_boundary(full, here):
                 continue
+            if gac_gate and float(logprobs[j][token].exp()) >= 0.5:
+                continue  # GaC's own gate: a confident drafter is never ensembled
+            candidates.append((j, here))
+        if not candidates:
+            return None
+        text = valid_utf8_prefix(full)
+        want = {here for _, here in candidates}
+        synced = []
+        for verifier in verifiers:
+            ids, ends = verifier.sync(text, full, want)
+            if ends is None:
+                return None
+            synced.append((verifier, ids, ends))
+        for j, here in candidates:
+            token = tokens[j]
+            is_eos = token in self.drafter.eos_ids
             indices: list[tuple[int, int]] = []
             for verifier, ids, ends in synced:
                 i = bisect.bisect_right(ends, here)
@@ -328,10 +370,8 @@ class SafeDecoder:
 
     def _consensus(self, views: list[View], token: int, own_ids: list[int]) -> bool:
         """SAFE's skip rules: (a) every verifier's argmax is its own next token, or (b) the mean
-        probability of each member's own next token exceeds 0.5; GaC adds its own drafter gate."""
+        probability of each member's own next token exceeds 0.5."""
         drafter_p = float(views[0].logprobs[token].exp())
-        if self.options.aggregator == "gac" and drafter_p >= 0.5:
-            return True
         if all(
             int(torch.argmax(v.logprobs)) == own for v, own in zip(views[1:], own_ids, strict=True)
         ):

@@ -236,10 +236,16 @@ def verify_floor(
         reserve = min(member.max_length // 2, 2 * max_new_tokens + 8)
         runs.append(VerifierRun(member, decoder.prompt_ids(member, context, reserve), True))
     for end in range(opts.draft_len, len(gen_ids) + opts.draft_len, opts.draft_len):
+        start = end - opts.draft_len
         full = vocab.spell(gen_ids[: min(end, len(gen_ids))])
         text = valid_utf8_prefix(full)
+        # distributions before every drafted token of the window, as a verify pass needs
+        want, offset = set(), len(vocab.spell(gen_ids[:start]))
+        for token in gen_ids[start:end]:
+            want.add(offset)
+            offset += len(vocab.text_bytes[token])
         for run in runs:
-            run.sync(text, full)
+            run.sync(text, full, want)
             run.forget_before(len(run.gen_ids) - 2 * opts.draft_len - 4)
     return sum(r.recomputed for r in runs)
 

@@ -182,9 +182,15 @@ def test_verifier_cache_reuse_matches_full_recompute(tiny_bpe_dir: Path, tiny_sp
     text = ""
     words = random_prompts(1, seed=10)[0].split() * 3
     for word in words:
+        committed = len(text.encode())
         text += " " + word
-        ids, _ = reuse.sync(text, text.encode())
+        # as the decoder does: distributions at every boundary of the newly added text
+        data = text.encode()
+        want = set(range(committed, len(data) + 1))
+        ids, ends = reuse.sync(text, data, want)
         reference = _full_recompute(member, prompt_ids, ids)
+        wanted = {i for i in range(len(ids) + 1) if (ends[i - 1] if i else 0) >= committed}
+        assert wanted <= set(reuse.pred), (wanted - set(reuse.pred), text)
         for i in range(len(ids) + 1):
             if i in reuse.pred:
                 assert torch.allclose(reuse.pred[i], reference[i], atol=1e-4), (i, text)
