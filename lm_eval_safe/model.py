@@ -9,14 +9,22 @@ from typing import Any
 
 from lm_eval.api.model import LM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from lm_eval_safe import __version__
 from lm_eval_safe._autoregister import fold_bare_items
 from lm_eval_safe.decoding import SafeDecoder
+from lm_eval_safe.distributed import ProcessGroup
 from lm_eval_safe.members import CHAT_MARKER, Member, load_member
 from lm_eval_safe.options import OptionError, SafeOptions, parse_options, resolve_drafter_index
-from lm_eval_safe.scoring import combine, score_member
+from lm_eval_safe.scoring import (
+    MemberScore,
+    combine,
+    encode_pair,
+    safe_consensus,
+    score_members,
+)
 from lm_eval_safe.stats import GenerationStats
 
 logger = logging.getLogger("lm_eval_safe")
@@ -43,7 +51,12 @@ class SafeEnsembleLM(LM):
         self.options: SafeOptions = parse_options(kwargs)
         opts = self.options
         self.drafter_index = resolve_drafter_index(opts.drafter, opts.members)
-        devices = opts.member_devices or [opts.device] * len(opts.members)
+        self.process_group = ProcessGroup.from_environment()
+        self._rank, self._world_size = self.process_group.rank, self.process_group.world_size
+        device = opts.device
+        if self.process_group.device and (device is None or str(device).startswith("cuda")):
+            device = self.process_group.device  # data parallel: each process on its own GPU
+        devices = opts.member_devices or [device] * len(opts.members)
         self.members: list[Member] = [
             load_member(
                 spec,
@@ -59,11 +72,28 @@ class SafeEnsembleLM(LM):
         ]
         self.decoder = SafeDecoder(self.members, self.drafter_index, opts)
         self.run_stats = GenerationStats()
+        self.total_stats: GenerationStats | None = None  # all ranks' stats, data parallel only
         self.request_stats: list[dict[str, Any]] = []
         if len(self.members) == 1:
             logger.info(
                 "safe-ensemble with one member (%s): single-model path", self.members[0].name
             )
+
+    # -- data parallel (lm-eval shards documents by rank) ------------------------------------
+    @property
+    def device(self) -> Any:
+        import torch
+
+        return torch.device(self.drafter.device)
+
+    def all_gather(self, tensor: Any) -> Any:
+        return self.process_group.all_gather(tensor.to("cpu") if self.world_size > 1 else tensor)
+
+    def gather_object(self, obj: Any, dst: int = 0) -> Any:
+        return self.process_group.gather_object(obj, dst)
+
+    def barrier(self) -> None:
+        self.process_group.barrier()
 
     # -- construction from lm-eval ---------------------------------------------------------
     @classmethod
@@ -133,7 +163,8 @@ class SafeEnsembleLM(LM):
             "schedule": self.decoder.schedule,
             "aggregator": opts["aggregator"],
             "safe_options": opts,
-            "safe_stats": self.run_stats.summary(),
+            "safe_stats": (self.total_stats or self.run_stats).summary(),
+            "world_size": self.world_size,
         }
 
     # -- requests --------------------------------------------------------------------------
@@ -169,6 +200,10 @@ class SafeEnsembleLM(LM):
             logger.debug("request %d: %s", index, stats.line())
             results.append(text)
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+        if self.world_size > 1:  # every rank calls generate_until: a collective is safe here
+            self.total_stats = GenerationStats()
+            for part in self.process_group.all_gather_object(self.run_stats):
+                self.total_stats.add(part)
         if requests and self.decoder.schedule != "drafter":
             logger.info(
                 "SAFE %s/%s: %s",
@@ -184,24 +219,95 @@ class SafeEnsembleLM(LM):
     def loglikelihood(
         self, requests: list[Any], disable_tqdm: bool = False
     ) -> list[tuple[float, bool]]:
+        """SAFE_SPEC §9: each member scores every request (contexts shared by several choices run
+        once per member), then segment probabilities are aggregated at common boundaries."""
+        args = [tuple(request.args) for request in requests]
+        for context, continuation in args:
+            if continuation == "":
+                raise ValueError(
+                    f"loglikelihood request {(context[-60:], continuation)!r}: empty continuation, nothing to score"
+                )
+        encoded = [[encode_pair(m, c, x) for c, x in args] for m in self.members]
+        per_member = score_members(
+            self.members,
+            lambda member: [(ctx, cont) for ctx, cont, _ in encoded[member.index]],
+            self.options,
+            kind="loglikelihood",
+            labels=[(c[-60:], x) for c, x in args],
+            disable_tqdm=disable_tqdm or self.rank != 0,
+        )
+        weights = self._weights()
+        rule = safe_consensus(
+            weights, self.drafter_index, self.options.schedule, self.options.aggregator
+        )
         results = []
-        for request in tqdm(
-            requests, disable=disable_tqdm or self.rank != 0, desc="Running loglikelihood requests"
-        ):
-            context, continuation = request.args
-            scores = [score_member(m, context, continuation) for m in self.members]
-            scored_text = continuation
-            if context and not context.startswith(CHAT_MARKER):
-                scored_text = context[len(context.rstrip()) :] + continuation
+        for i, (context, continuation) in enumerate(args):
+            texts = [enc[i][2] for enc in encoded]
+            same = all(t == texts[0] for t in texts)
+            scored = (texts[0] if same else continuation).encode("utf-8")
+            scores = []
+            for enc, member, tokens in zip(encoded, self.members, per_member, strict=True):
+                ends = member.vocab.token_ends(enc[i][1], enc[i][2].encode("utf-8"))
+                if ends is not None and not same:  # chat contexts: measure from the continuation
+                    shift = len(enc[i][2].encode("utf-8")) - len(scored)
+                    ends = [max(0, e - shift) for e in ends]
+                scores.append(MemberScore(tokens[i][0], tokens[i][1], ends))
             logprob, greedy = combine(
-                scores, self._weights(), self.options.ll_aggregate, scored_text.encode("utf-8")
+                scores, weights, self.options.ll_aggregate, scored, self.drafter_index, rule
             )
             results.append((logprob, greedy))
             self.cache_hook.add_partial("loglikelihood", (context, continuation), (logprob, greedy))
         return results
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
-        raise NotImplementedError(
-            "loglikelihood_rolling is not supported by safe-ensemble yet (perplexity tasks); "
-            "use a generate_until or multiple_choice task"
+        """Perplexity: each member scores the whole text with its own rolling windows (as HFLM:
+        its max length, its BOS/EOS prefix token, context_len=1); the members' per-token
+        log-probs are then combined at common boundaries like a loglikelihood continuation."""
+        texts = [str(request.args[0]) for request in requests]
+        token_ids = [[m.encode(text) for text in texts] for m in self.members]
+        owners: list[list[int]] = []
+
+        def windows(member: Member) -> list[tuple[list[int], list[int]]]:
+            pairs, owner = [], []
+            for i, ids in enumerate(token_ids[member.index]):
+                for ctx, pred in map(
+                    make_disjoint_window,
+                    get_rolling_token_windows(
+                        token_list=ids,
+                        prefix_token=member.prefix_token_id,
+                        max_seq_len=member.max_length,
+                        context_len=1,
+                    ),
+                ):
+                    pairs.append((ctx, pred))
+                    owner.append(i)
+            owners.append(owner)
+            return pairs
+
+        per_member = score_members(
+            self.members,
+            windows,
+            self.options,
+            kind="loglikelihood_rolling",
+            labels=[t[:60] for t in texts],
+            disable_tqdm=disable_tqdm or self.rank != 0,
         )
+        weights = self._weights()
+        scores: list[list[MemberScore]] = [[] for _ in texts]
+        for member, tokens, owner in zip(self.members, per_member, owners, strict=True):
+            lps: list[list[float]] = [[] for _ in texts]
+            greedy: list[list[bool]] = [[] for _ in texts]
+            for i, (lp, g) in zip(owner, tokens, strict=True):
+                lps[i].extend(lp)
+                greedy[i].extend(g)
+            for i, text in enumerate(texts):
+                ends = member.vocab.token_ends(token_ids[member.index][i], text.encode("utf-8"))
+                scores[i].append(MemberScore(lps[i], greedy[i], ends))
+        results = []
+        for text, member_scores in zip(texts, scores, strict=True):
+            logprob, _ = combine(
+                member_scores, weights, self.options.ll_aggregate, text.encode("utf-8")
+            )
+            results.append(float(logprob))
+            self.cache_hook.add_partial("loglikelihood_rolling", (text,), float(logprob))
+        return results

@@ -1,16 +1,26 @@
 """Scoring a given continuation (loglikelihood) with an ensemble: SAFE_SPEC §9.
 
-The continuation is cut at character offsets that are token boundaries of *every* member;
-within a segment each member's probability is the product of its own token probabilities, and
-the ensemble log-probability is the sum over segments of the log of the aggregated segment
+The continuation is cut at byte offsets that are token boundaries of *every* member; within a
+segment each member's probability is the product of its own token probabilities, and the
+ensemble log-probability is the sum over segments of the log of the aggregated segment
 probability. With one member every token is a segment, which is exactly lm-eval's ``hf`` score.
+
+Speed: each member scores all requests in batches of *contexts*. A context shared by several
+choices (multiple-choice tasks) goes through the model once; its KV cache is then copied to one
+row per choice and only the choices' tokens are fed. The output layer is applied only where a
+token is scored (for a 262k vocabulary it costs more than the rest of a small model), and only
+the scored token's log-prob and the argmax are kept per position, never a [batch, length,
+vocab] tensor of log-probs.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -19,24 +29,41 @@ from lm_eval_safe.vocabulary import is_char_boundary
 
 logger = logging.getLogger(__name__)
 
+# Most logits (floats) one forward call may hold: 2**25 floats = 128 MiB in float32. Bounds the
+# memory of long continuations (perplexity windows) against 262k-entry vocabularies.
+LOGITS_BUDGET = 1 << 25
+# batch_size=auto: contexts per batch such that batch x longest context stays under this many
+# tokens (a CPU-friendly size; a GPU user wanting more gives an integer batch size).
+AUTO_BATCH_TOKENS = 8192
+
+
+class ScoringError(ValueError):
+    """A request that cannot be scored; ``index`` says which, so the caller can name it."""
+
+    def __init__(self, index: int, message: str):
+        super().__init__(message)
+        self.index = index
+
 
 @dataclass
 class MemberScore:
-    """One member's view of a continuation: per-token log-probs, greedy flags, byte ends."""
+    """One member's view of a scored text: per-token log-probs, argmax flags, byte ends."""
 
     logprobs: list[float]
     greedy: list[bool]
-    ends: list[int] | None  # end offset of each token in the continuation bytes; None: unknown
+    ends: list[int] | None  # end offset of each token in the scored bytes; None: unknown
 
-    def segment(self, start: int, stop: int) -> tuple[float, bool]:
-        """Sum of log-probs and all-greedy over tokens ending in (start, stop]."""
-        assert self.ends is not None
-        total, greedy = 0.0, True
-        for lp, g, end in zip(self.logprobs, self.greedy, self.ends, strict=True):
-            if start < end <= stop or (end == start == 0 and stop == 0):
-                total += lp
-                greedy = greedy and g
-        return total, greedy
+
+@dataclass
+class _Group:
+    """Requests of one member that share the same (windowed) context ids."""
+
+    ctx: list[int]
+    items: list[tuple[int, list[int]]] = field(default_factory=list)  # (pair index, cont ids)
+
+    @property
+    def length(self) -> int:
+        return len(self.ctx) + max(len(cont) for _, cont in self.items) - 1
 
 
 def encode_pair(
@@ -62,68 +89,301 @@ def encode_pair(
     return ctx, whole[len(ctx) :], continuation
 
 
+def _group_pairs(member: Member, pairs: Sequence[tuple[list[int], list[int]]]) -> list[_Group]:
+    """Window each pair as HFLM does (left-truncate context+continuation to max_length + 1) and
+    group pairs whose windowed contexts are identical, so each context runs once."""
+    limit = member.max_length
+    groups: dict[tuple[int, ...], _Group] = {}
+    for index, (ctx, cont) in enumerate(pairs):
+        if not cont:
+            raise ScoringError(index, f"{member.name} has no continuation tokens to score")
+        if len(cont) > limit:
+            raise ScoringError(
+                index,
+                f"continuation of {len(cont)} tokens is longer than {member.name}'s window ({limit})",
+            )
+        if not ctx:
+            raise ScoringError(index, f"{member.name} has no context token to condition on")
+        if len(ctx) + len(cont) > limit + 1:
+            logger.warning(
+                "context+continuation (%d tokens) exceed %s's window %d; truncating from the left",
+                len(ctx) + len(cont),
+                member.name,
+                limit,
+            )
+            ctx = ctx[len(ctx) + len(cont) - limit - 1 :]
+        key = tuple(ctx)
+        groups.setdefault(key, _Group(list(ctx))).items.append((index, cont))
+    return list(groups.values())
+
+
+def _batches(
+    groups: list[_Group], batch_size: int | str, max_batch_size: int
+) -> list[list[_Group]]:
+    """Longest first (as lm-eval's Collator: padding stays small, out-of-memory shows at once);
+    ``batch_size`` contexts per batch, or for ``auto`` as many as fit the token budget."""
+    ordered = sorted(groups, key=lambda g: (-g.length, g.ctx))
+    out: list[list[_Group]] = []
+    for group in ordered:
+        if out:
+            batch = out[-1]
+            if batch_size == "auto":
+                fits = (len(batch) + 1) * batch[0].length <= AUTO_BATCH_TOKENS
+                fits = fits and len(batch) < max_batch_size
+            else:
+                fits = len(batch) < max(1, int(batch_size))
+            if fits:
+                batch.append(group)
+                continue
+        out.append([group])
+    return out
+
+
+def _pick(
+    logits: torch.Tensor, targets: torch.Tensor, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of each target and whether it is the argmax, from raw logits [..., V'].
+
+    Columns past the tokenizer's size (padded embedding rows) are not tokens and are dropped.
+    logsumexp instead of log_softmax: nothing of vocabulary size is materialised twice."""
+    logits = logits[..., :vocab].float()
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    return picked, logits.argmax(dim=-1) == targets
+
+
+def _select_cache(cache: Any, rows: torch.Tensor) -> Any:
+    """A new cache holding the given batch rows (repeats allowed): one row per choice."""
+    from transformers import DynamicCache
+
+    return DynamicCache(
+        ddp_cache_data=[(layer.keys[rows], layer.values[rows]) for layer in cache.layers]
+    )
+
+
 @torch.inference_mode()
-def score_member(member: Member, context: str, continuation: str) -> MemberScore:
-    ctx, cont, cont_text = encode_pair(member, context, continuation)
-    if not cont:
-        return MemberScore([], [], [])
-    window = (ctx + cont)[-(member.max_length + 1) :]
-    if len(ctx) + len(cont) > member.max_length + 1:
-        logger.warning(
-            "context+continuation (%d tokens) exceed %s's window %d; truncating from the left",
-            len(ctx) + len(cont),
-            member.name,
-            member.max_length,
-        )
-    if len(cont) > member.max_length:
-        raise ValueError(
-            f"continuation of {len(cont)} tokens is longer than {member.name}'s window ({member.max_length})"
-        )
-    inp = torch.tensor([window[:-1]], dtype=torch.long, device=member.model.device)
-    logits = member.model(input_ids=inp, logits_to_keep=len(cont)).logits[
-        0, -len(cont) :, : len(member.vocab)
+def _score_batch(
+    member: Member, batch: list[_Group], out: list[tuple[list[float], list[bool]] | None]
+) -> None:
+    """Two forward calls per batch: the contexts (left-padded, logits at the last position only),
+    then every choice's tokens after its context's cached keys/values."""
+    from transformers import DynamicCache
+
+    model, vocab = member.model, len(member.vocab)
+    device = model.device
+    pad = member.tokenizer.pad_token_id or 0
+    lengths = [len(g.ctx) for g in batch]
+    width = max(lengths)
+    ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for b, group in enumerate(batch):
+        ids[b, width - lengths[b] :] = torch.tensor(group.ctx)
+        mask[b, width - lengths[b] :] = 1
+    padded = min(lengths) != width
+    extra: dict[str, torch.Tensor] = {}
+    if padded:  # left padding: positions count real tokens only, pads are masked
+        extra = {
+            "attention_mask": mask.to(device),
+            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0).to(device),
+        }
+    rows = [
+        (b, index, cont) for b, g in enumerate(batch) for index, cont in g.items if len(cont) > 1
     ]
-    logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
-    target = torch.tensor(cont, dtype=torch.long)
-    token_lp = logprobs.gather(1, target.unsqueeze(1)).squeeze(1)
-    greedy = (logprobs.argmax(dim=-1) == target).tolist()
-    ends = member.vocab.token_ends(cont, cont_text.encode("utf-8"))
-    return MemberScore(token_lp.tolist(), greedy, ends)
+    cache = DynamicCache() if rows else None
+    logits = model(
+        input_ids=ids.to(device), cache=cache, use_cache=bool(rows), logits_to_keep=1, **extra
+    ).logits
+    first_logits = logits[:, -1, :vocab].float()
+    lse = torch.logsumexp(first_logits, dim=-1)
+    top = first_logits.argmax(dim=-1)
+    for b, group in enumerate(batch):
+        for index, cont in group.items:
+            lp = float(first_logits[b, cont[0]] - lse[b])
+            out[index] = ([lp], [int(top[b]) == cont[0]])
+    del logits, first_logits
+    if not rows:
+        return
+    # one row per multi-token choice; right padding at the end is never attended by real tokens
+    row_groups = torch.tensor([b for b, _, _ in rows], dtype=torch.long)
+    feed_len = max(len(cont) - 1 for _, _, cont in rows)
+    feed = torch.full((len(rows), feed_len), pad, dtype=torch.long)
+    targets = torch.zeros((len(rows), feed_len), dtype=torch.long)
+    for r, (_, _, cont) in enumerate(rows):
+        feed[r, : len(cont) - 1] = torch.tensor(cont[:-1])
+        targets[r, : len(cont) - 1] = torch.tensor(cont[1:])
+    cache = _select_cache(cache, row_groups.to(device))
+    ctx_mask = mask[row_groups]
+    base = torch.tensor(lengths, dtype=torch.long)[row_groups]
+    step = max(1, LOGITS_BUDGET // max(1, len(rows) * vocab))
+    lps, greedy = [], []
+    for start in range(0, feed_len, step):  # position chunks bound the logits' memory
+        stop = min(feed_len, start + step)
+        extra = {}
+        if padded:
+            extra = {
+                "attention_mask": torch.cat(
+                    [ctx_mask, torch.ones((len(rows), stop), dtype=torch.long)], dim=1
+                ).to(device),
+                "position_ids": (base.unsqueeze(1) + torch.arange(start, stop)).to(device),
+            }
+        logits = model(
+            input_ids=feed[:, start:stop].to(device), cache=cache, use_cache=True, **extra
+        ).logits
+        lp, hit = _pick(logits, targets[:, start:stop].to(device), vocab)
+        lps.append(lp.cpu())
+        greedy.append(hit.cpu())
+    all_lp, all_greedy = torch.cat(lps, dim=1), torch.cat(greedy, dim=1)
+    for r, (_, index, cont) in enumerate(rows):
+        scored = out[index]
+        assert scored is not None
+        scored[0].extend(all_lp[r, : len(cont) - 1].tolist())
+        scored[1].extend(all_greedy[r, : len(cont) - 1].tolist())
+
+
+def score_tokens(
+    member: Member,
+    pairs: Sequence[tuple[list[int], list[int]]],
+    batch_size: int | str = 1,
+    max_batch_size: int = 64,
+    progress: Callable[[int], Any] | None = None,
+) -> list[tuple[list[float], list[bool]]]:
+    """Per-token log-probs and argmax flags of each continuation given its context, as lm-eval's
+    HFLM computes them (same windowing), with each distinct context run once per member.
+
+    Raises :class:`ScoringError` (naming the pair) for an empty continuation or one longer than
+    the member's window, before anything runs."""
+    groups = _group_pairs(member, pairs)
+    out: list[tuple[list[float], list[bool]] | None] = [None] * len(pairs)
+    for batch in _batches(groups, batch_size, max_batch_size):
+        _score_batch(member, batch, out)
+        if progress is not None:
+            progress(sum(len(g.items) for g in batch))
+    assert all(o is not None for o in out)
+    return out  # type: ignore[return-value]
+
+
+def score_members(
+    members: Sequence[Member],
+    pairs_of: Callable[[Member], list[tuple[list[int], list[int]]]],
+    options: Any,
+    kind: str,
+    labels: Sequence[Any],
+    disable_tqdm: bool = False,
+) -> list[list[tuple[list[float], list[bool]]]]:
+    """:func:`score_tokens` for every member (``options.batch_size`` / ``max_batch_size``), one
+    progress bar; a bad pair fails in one line naming the request (``labels[i]``)."""
+    from tqdm import tqdm
+
+    all_pairs = [pairs_of(member) for member in members]
+    results = []
+    with tqdm(
+        total=sum(len(p) for p in all_pairs), disable=disable_tqdm, desc=f"Running {kind} requests"
+    ) as bar:
+        for member, pairs in zip(members, all_pairs, strict=True):
+            try:
+                results.append(
+                    score_tokens(
+                        member,
+                        pairs,
+                        options.batch_size,
+                        options.max_batch_size,
+                        progress=bar.update,
+                    )
+                )
+            except ScoringError as exc:
+                label = labels[exc.index] if exc.index < len(labels) else exc.index
+                raise ValueError(f"{kind} request {label!r}: {exc}") from None
+    return results
+
+
+def _segments(scores: list[MemberScore], text: bytes) -> list[int]:
+    """Segment ends: byte offsets that end a token of every member (and a UTF-8 character),
+    plus the end of the text. A member whose tokens do not spell the text leaves one segment."""
+    total = len(text)
+    if any(s.ends is None for s in scores):
+        return [total]
+    common = set.intersection(*(set(s.ends or ()) for s in scores))
+    return sorted(c for c in common if 0 < c < total and is_char_boundary(text, c)) + [total]
 
 
 def combine(
-    scores: list[MemberScore], weights: list[float], how: str, text: bytes
+    scores: list[MemberScore],
+    weights: list[float],
+    how: str,
+    text: bytes,
+    drafter: int = 0,
+    consensus: Callable[[list[float], list[bool]], bool] | None = None,
 ) -> tuple[float, bool]:
-    """Ensemble log-probability over common boundaries and the is_greedy flag (see module doc).
+    """Ensemble log-probability over common boundaries, and the ``is_greedy`` flag.
 
-    ``is_greedy`` holds when, in every segment, every member's tokens are its own argmax: then
-    each member's greedy draft spells the segment and SAFE's consensus rule (a) keeps it.
+    Score: sum over segments of ``log sum_m w_m P_m(segment)`` (``how="mean"``, in log space) or
+    ``sum_m w_m log P_m(segment)`` (``"logmean"``), weights normalised.
+
+    ``is_greedy`` mirrors what greedy SAFE decoding from the context would do. Segment starts
+    are exactly the positions where every tokenizer has a boundary, i.e. SAFE's only candidate
+    ensemble points; inside a segment only the drafter decodes. So a segment is produced when
+    (1) each of the drafter's tokens in it is the drafter's argmax (it drafts the segment), and
+    (2) at the segment start ``consensus(first-token log-probs, first-token-is-argmax flags)``
+    (both in member order) holds, i.e. SAFE skips ensembling there (rule (a)/(b) of SAFE_SPEC
+    §3); by Theorem 1 the mean aggregate would pick the drafter's token anyway, so the flag is
+    also sound for the ``aligned`` schedule. Without ``consensus`` every member's first token must be its argmax (rule
+    (a)). With one member this is lm-eval's own rule: every token is its argmax.
     """
     if len(scores) == 1:
         return sum(scores[0].logprobs), all(scores[0].greedy)
-    known = [s.ends for s in scores if s.ends is not None]
-    cuts = set.intersection(*(set(e) for e in known)) if known else set()
-    total_bytes = len(text)
-    cuts = sorted(c for c in cuts if 0 < c < total_bytes and is_char_boundary(text, c)) + [total_bytes]
+    cuts = _segments(scores, text)
     norm = [w / sum(weights) for w in weights]
-    total, greedy, start = 0.0, True, 0
-    for stop in cuts:
-        parts = []
-        for score in scores:
-            if score.ends is None:  # this member's tokens do not spell the text: one segment only
-                lp, g = (
-                    (sum(score.logprobs), all(score.greedy)) if stop == total_bytes else (0.0, True)
-                )
-            else:
-                lp, g = score.segment(start, stop)
-            parts.append(lp)
-            greedy = greedy and g
+    n_seg = len(cuts)
+    seg_lp = [[0.0] * n_seg for _ in scores]
+    first_lp: list[list[float | None]] = [[None] * n_seg for _ in scores]
+    first_greedy: list[list[bool]] = [[True] * n_seg for _ in scores]
+    drafted = [True] * n_seg
+    for m, score in enumerate(scores):
+        ends = score.ends or [len(text)] * len(score.logprobs)
+        for lp, greedy, end in zip(score.logprobs, score.greedy, ends, strict=True):
+            s = min(bisect.bisect_left(cuts, end), n_seg - 1)
+            seg_lp[m][s] += lp
+            if first_lp[m][s] is None:
+                first_lp[m][s], first_greedy[m][s] = lp, greedy
+            if m == drafter and not greedy:
+                drafted[s] = False
+    total, is_greedy = 0.0, True
+    for s in range(n_seg):
+        parts = [seg_lp[m][s] for m in range(len(scores))]
         if how == "logmean":
-            total += sum(w * lp for w, lp in zip(norm, parts, strict=True))
+            total += sum(w * lp for w, lp in zip(norm, parts, strict=True) if w > 0)
         else:
-            top = max(parts)
+            top = max(lp for w, lp in zip(norm, parts, strict=True) if w > 0)
             total += top + math.log(
-                sum(w * math.exp(lp - top) for w, lp in zip(norm, parts, strict=True))
+                sum(w * math.exp(lp - top) for w, lp in zip(norm, parts, strict=True) if w > 0)
             )
-        start = stop
-    return total, greedy
+        if is_greedy:
+            lps = [
+                lp if lp is not None else 0.0 for lp in (first_lp[m][s] for m in range(len(scores)))
+            ]
+            flags = [first_greedy[m][s] for m in range(len(scores))]
+            agreed = consensus(lps, flags) if consensus else all(flags)
+            is_greedy = drafted[s] and agreed
+    return total, is_greedy
+
+
+def safe_consensus(
+    weights: list[float], drafter: int, schedule: str = "safe", aggregator: str = "unite"
+) -> Callable[[list[float], list[bool]], bool]:
+    """SAFE's skip rule at an aligned position, as the decoder applies it: (a) every verifier's
+    next token is its argmax, or (b) the weighted mean of each member's probability of its own
+    next token exceeds 0.5; with ``gac`` also GaC's gate (drafter's probability >= 0.5); with
+    ``schedule=drafter`` the drafter alone decides."""
+    total = sum(weights)
+
+    def rule(first_lps: list[float], first_greedy: list[bool]) -> bool:
+        if schedule == "drafter":
+            return True
+        if aggregator == "gac" and math.exp(first_lps[drafter]) >= 0.5:
+            return True
+        if all(g for m, g in enumerate(first_greedy) if m != drafter):
+            return True
+        mean = sum(w * math.exp(lp) for w, lp in zip(weights, first_lps, strict=True)) / total
+        return mean > 0.5
+
+    return rule

@@ -131,3 +131,29 @@ def test_lm_eval_cli_end_to_end(models: Path, shared_dir: Path, tmp_path: Path) 
     assert config["safe_stats"]["generated_tokens"] > 0
     for task in ("safe_gsm8k", "safe_math500", "safe_bbh_paper", "safe_bbh_snarks"):
         assert task in data["results"], task
+
+
+def test_smollm2_rolling_and_batched_equal_lm_eval_hf(smollm, pair) -> None:
+    """Perplexity windows and batched, shared-context scoring on a real model; the real pair
+    (Gemma-3's sliding-window layers included) gives the same scores at batch size 1 and 4."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    folder = Path(smollm.members[0].model.name_or_path)
+    hf = HFLM(pretrained=str(folder), device="cpu", dtype="float32", batch_size=1)
+    texts = ["The capital of France is Paris.", "2 + 2 = 4, and 3 + 3 = 6."]
+    rolling = [Instance("loglikelihood_rolling", {}, (t,), 0) for t in texts]
+    got = smollm.loglikelihood_rolling(rolling, disable_tqdm=True)
+    assert got == pytest.approx(hf.loglikelihood_rolling(rolling, disable_tqdm=True), abs=1e-3)
+    requests = [
+        ll_request(ctx, choice)
+        for ctx in ("Q: Which is a fruit?\nA:", "Q: What is the capital of France? Answer briefly.\nA:")
+        for choice in (" apple", " a red brick", " Paris", " none of these")
+    ]
+    one = pair.loglikelihood(requests, disable_tqdm=True)
+    pair.options.batch_size = 4
+    try:
+        four = pair.loglikelihood(requests, disable_tqdm=True)
+    finally:
+        pair.options.batch_size = 1
+    assert [a for a, _ in four] == pytest.approx([a for a, _ in one], abs=1e-3)
