@@ -1,0 +1,155 @@
+"""End-to-end test of scripts/compare.py on the tiny in-process models.
+
+Why: the leaderboard script glues lm-eval, the backend and the tasks together; its value is
+that one command produces a complete table and plot and that an interrupted run resumes.
+Tiny models (random weights) give meaningless accuracies, so the test checks structure --
+a row per configuration, a real PNG, per-configuration cache files, and that a second
+invocation reads the cache instead of running lm-eval again -- not numbers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+GSM8K_ROWS = [
+    {"question": "Tom has 2 apples and buys 3 more. How many apples?", "answer": "2+3=5\n#### 5"},
+    {"question": "A box holds 4 pens. How many pens in 2 boxes?", "answer": "4*2=8\n#### 8"},
+    {"question": "Sara had 10 coins and lost 7. How many are left?", "answer": "10-7=3\n#### 3"},
+]
+
+
+def _load_compare() -> ModuleType:
+    """Import scripts/compare.py by path (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        "compare_script", REPO_ROOT / "scripts" / "compare.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def compare() -> ModuleType:
+    pytest.importorskip("matplotlib")
+    return _load_compare()
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    """A 3-question GSM8K in the layout safe_utils.load_gsm8k expects (<dir>/gsm8k/test.jsonl)."""
+    folder = tmp_path / "data" / "gsm8k"
+    folder.mkdir(parents=True)
+    (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in GSM8K_ROWS))
+    return tmp_path / "data"
+
+
+def test_compare_end_to_end_and_resume(
+    compare: ModuleType,
+    tiny_bpe_dir: Path,
+    tiny_sp_dir: Path,
+    data_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    out = tmp_path / "out"
+    argv = [
+        "--members",
+        f"{tiny_bpe_dir},{tiny_sp_dir}",
+        "--tasks",
+        "safe_gsm8k",
+        "--limit",
+        "2",
+        "--max-gen-toks",
+        "4",
+        "--data-dir",
+        str(data_dir),
+        "--out",
+        str(out),
+        "--model-args-extra",
+        f"device=cpu,cache_dir={tmp_path / 'safe_cache'}",
+        "--save-samples",
+    ]
+    assert compare.main(argv) == 0
+    first = capsys.readouterr().out
+
+    configs = compare.build_configs([str(tiny_bpe_dir), str(tiny_sp_dir)], None)
+    names = [c.name for c in configs]
+    # two members alone + every built-in ensemble configuration
+    assert len(names) == 2 + len(compare.ENSEMBLE_CONFIGS)
+    assert first.count(": start (") == len(names)
+    assert first.count(": done in ") == len(names)
+
+    table = (out / "leaderboard.md").read_text()
+    for name in names:
+        rows = [line for line in table.splitlines() if line.startswith(f"| {name} |")]
+        # one row in the overview table and one in the task's detail table
+        assert len(rows) == 2, (name, rows)
+        assert "not run" not in rows[1]
+    assert "95% CI (Wilson)" in table and "E/T %" in table
+    # ensembles print the gap to the best member alone, as the paper does: "12.3 (+4.5)"
+    ensemble_row = next(line for line in table.splitlines() if line.startswith("| unite-safe |"))
+    assert "(+" in ensemble_row or "(-" in ensemble_row
+
+    png = out / "leaderboard.png"
+    assert png.read_bytes()[:8] == PNG_MAGIC
+
+    cache_files = sorted((out / "cache").glob("*__safe_gsm8k__limit2__*.json"))
+    records = [
+        json.loads(p.read_text()) for p in cache_files if not p.name.endswith(".samples.json")
+    ]
+    assert len(records) == len(names)
+    for record in records:
+        assert record["summary"]["n"] == 2
+        assert "exact_match,none" in record["summary"]["results"]["safe_gsm8k"]
+        assert record["summary"]["safe_stats"]["generated_tokens"] >= 0
+    ensembles = [r for r in records if r["config"] == "unite-every"]
+    assert ensembles and ensembles[0]["summary"]["safe_stats"]["ensemble_rate_percent"] > 0
+
+    # Resume: a second run reads every result from the cache and runs nothing.
+    png.unlink()
+    assert compare.main(argv) == 0
+    second = capsys.readouterr().out
+    assert ": start (" not in second
+    assert second.count(": cached (") == len(names)
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    assert (out / "leaderboard.md").read_text() == table
+
+    # --report-only never runs anything: settings with no cached results show as "not run".
+    report_argv = [*argv, "--report-only", "--markdown", str(tmp_path / "partial.md")]
+    report_argv[report_argv.index("--limit") + 1] = "3"
+    assert compare.main(report_argv) == 0
+    third = capsys.readouterr().out
+    assert ": start (" not in third and third.count("not run yet") == len(names)
+    assert "| unite-safe | not run |" in (tmp_path / "partial.md").read_text()
+
+
+def test_limits_configs_and_interval(compare: ModuleType) -> None:
+    assert compare.parse_limits("3", ["a", "b"]) == {"a": 3, "b": 3}
+    assert compare.parse_limits("a=2,b=0.5", ["a", "b"]) == {"a": 2, "b": 0.5}
+    assert compare.parse_limits(None, ["a"]) == {"a": None}
+    with pytest.raises(SystemExit):
+        compare.parse_limits("c=1", ["a"])
+
+    configs = compare.build_configs(["m1", "/x/m2.gguf"], ["unite-safe", "alone"])
+    # members alone always come first: the gap column refers to them
+    assert [c.name for c in configs] == ["alone:m1", "alone:m2", "unite-safe"]
+    assert configs[1].model_args == "members=/x/m2.gguf"
+    assert configs[2].model_args.startswith("members=m1|/x/m2.gguf,schedule=safe")
+    with pytest.raises(SystemExit):
+        compare.build_configs(["m1"], ["nonsense"])
+
+    lo, hi = compare.wilson_interval(0.0, 5)
+    assert lo == 0.0 and 0.4 < hi < 0.5
+    lo, hi = compare.wilson_interval(0.5, 100)
+    assert lo == pytest.approx(0.404, abs=1e-3) and hi == pytest.approx(0.596, abs=1e-3)
