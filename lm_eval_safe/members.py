@@ -347,6 +347,10 @@ class Member:
         if not context.startswith(CHAT_MARKER):
             return context
         payload = json.loads(context[len(CHAT_MARKER) :])
+        if not getattr(self.tokenizer, "chat_template", None):
+            # A base model without a template (Gemma-3-270M's GGUF) sees the conversation as the
+            # plain prompt lm-eval would have built: the messages' texts, one after another.
+            return "\n\n".join(m["content"] for m in payload["messages"])
         return self.tokenizer.apply_chat_template(
             payload["messages"],
             tokenize=False,

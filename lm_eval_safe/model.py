@@ -144,12 +144,16 @@ class SafeEnsembleLM(LM):
     def apply_chat_template(
         self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> str:
-        """Defer rendering: each member renders the conversation with its own template later."""
-        for member in self.members:
-            if not getattr(member.tokenizer, "chat_template", None):
-                raise OptionError(
-                    f"--apply_chat_template: member {member.name!r} has no chat template; drop the flag"
-                )
+        """Defer rendering: each member renders the conversation with its own template later.
+
+        A member without a chat template (a base model) gets the messages as plain text, which
+        is what it would see without the flag; said once in the log, so it is never silent."""
+        plain = [m.name for m in self.members if not getattr(m.tokenizer, "chat_template", None)]
+        if len(plain) == len(self.members):
+            raise OptionError("--apply_chat_template: no member has a chat template; drop the flag")
+        if plain and not getattr(self, "_warned_plain", False):
+            logger.warning("--apply_chat_template: %s have no chat template; they get plain text", plain)
+            self._warned_plain = True
         payload = {"messages": chat_history, "add_generation_prompt": add_generation_prompt}
         return CHAT_MARKER + json.dumps(payload, ensure_ascii=False)
 

@@ -203,3 +203,33 @@ def test_verifier_cache_reuse_matches_full_recompute(tiny_bpe_dir: Path, tiny_sp
         nocache.sync(text, text.encode())
     assert reuse.recomputed < nocache.recomputed / 3
     assert reuse.recomputed >= len(ids)
+
+
+def test_chat_template_rendered_per_member(tiny_bpe_dir: Path, tiny_sp_dir: Path, bpe_reference) -> None:
+    """--apply_chat_template: every member sees the conversation in its own template."""
+    messages = [{"role": "user", "content": "How many apples are 3 and 4?"}]
+    single = make_lm(tiny_bpe_dir)
+    context = single.apply_chat_template(messages, add_generation_prompt=True)
+    model, tok = bpe_reference
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    (got,) = single.generate_until([gen_request(context, until=[], max_gen_toks=12)], disable_tqdm=True)
+    assert got == hf_greedy_text(model, tok, rendered, 12)
+
+    pair = make_lm(tiny_bpe_dir, tiny_sp_dir)
+    context = pair.apply_chat_template(messages, add_generation_prompt=True)
+    for member in pair.members:
+        own = member.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert pair.decoder.prompt_ids(member, context, 8) == member.encode(own)
+    rendered = {m.render_context(context) for m in pair.members}
+    assert len(rendered) == 2, "the two families' templates differ"
+
+
+def test_member_without_chat_template_gets_plain_text(tiny_bpe_dir: Path, tiny_sp_dir: Path) -> None:
+    pair = make_lm(tiny_bpe_dir, tiny_sp_dir)
+    pair.members[1].tokenizer.chat_template = None
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    context = pair.apply_chat_template(messages, add_generation_prompt=True)
+    assert pair.members[1].render_context(context) == "Be brief.\n\n2+2?"
+    pair.members[0].tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="no member has a chat template"):
+        pair.apply_chat_template(messages)
