@@ -1,0 +1,60 @@
+"""The commands a user types, on tiny models: ``lm-eval-safe`` and ``lm_eval.simple_evaluate``
+with the literal ``members=a,b`` string."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _tiny_gsm8k(root: Path) -> Path:
+    folder = root / "data" / "gsm8k"
+    folder.mkdir(parents=True)
+    rows = [{"question": "What is 2 plus 3?", "answer": "2+3=5\n#### 5"}] * 2
+    (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root / "data"
+
+
+def test_console_command_finds_its_tasks(tmp_path: Path, tiny_bpe_dir: Path, tiny_sp_dir: Path) -> None:
+    data = _tiny_gsm8k(tmp_path)
+    exe = Path(sys.executable).with_name("lm-eval-safe")
+    assert exe.is_file(), "the console script is installed with the package"
+    cmd = [
+        str(exe), "--model_args", f"members={tiny_bpe_dir},{tiny_sp_dir},drafter=1",
+        "--tasks", "safe_gsm8k", "--metadata", json.dumps({"data_dir": str(data)}),
+        "--gen_kwargs", "max_gen_toks=4", "--limit", "1", "--output_path", str(tmp_path / "out"),
+    ]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (results,) = (tmp_path / "out").rglob("results_*.json")
+    config = json.loads(results.read_text())["config"]
+    assert config["drafter"] == tiny_sp_dir.name
+    assert results.parent.name == f"safe-ensemble__{tiny_bpe_dir.name}+{tiny_sp_dir.name}__drafter-{tiny_sp_dir.name}__safe-unite"
+
+
+def test_simple_evaluate_with_literal_members_string(tmp_path: Path, tiny_bpe_dir: Path, tiny_sp_dir: Path) -> None:
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    import lm_eval_safe
+
+    data = _tiny_gsm8k(tmp_path)
+    results = lm_eval.simple_evaluate(
+        model="safe-ensemble",
+        model_args=f"members={tiny_bpe_dir},{tiny_sp_dir},schedule=every,dtype=float32",
+        tasks=["safe_gsm8k"],
+        limit=2,
+        gen_kwargs={"max_gen_toks": 4},
+        task_manager=TaskManager(include_path=lm_eval_safe.task_dir(), metadata={"data_dir": str(data)}),
+        device="cpu",
+        batch_size=1,
+    )
+    config = results["config"]
+    assert [m["name"] for m in config["members"]] == [tiny_bpe_dir.name, tiny_sp_dir.name]
+    assert config["schedule"] == "every"
+    assert config["safe_stats"]["ensemble_rate_percent"] == 100.0
+    assert "safe_gsm8k" in results["results"]
