@@ -49,6 +49,13 @@ def valid_utf8_prefix(data: bytes) -> str:
     return data.decode("utf-8", errors="ignore")
 
 
+def boundary_index(ends: list[int], offset: int) -> int | None:
+    """Index of the token that starts at byte ``offset`` (one past the tokens ending there),
+    or None when ``offset`` falls inside a token: the position is not a boundary."""
+    i = bisect.bisect_right(ends, offset)
+    return i if offset == 0 or (i > 0 and ends[i - 1] == offset) else None
+
+
 class WindowExhausted(RuntimeError):
     """A verifier's context window is full; the request continues with the drafter alone."""
 
@@ -167,12 +174,8 @@ class VerifierRun:
         """Token index predicted at each byte offset that is a token boundary."""
         if ends is None:
             return set()
-        found = set()
-        for offset in offsets:
-            i = bisect.bisect_right(ends, offset)
-            if offset == 0 or (i > 0 and ends[i - 1] == offset):
-                found.add(i)
-        return found
+        found = (boundary_index(ends, offset) for offset in offsets)
+        return {i for i in found if i is not None}
 
     def forget_before(self, index: int) -> None:
         """Free rows no future boundary can need (row 0, the prompt's, is kept: it is cheap)."""
@@ -345,8 +348,8 @@ class SafeDecoder:
             is_eos = token in self.drafter.eos_ids
             indices: list[tuple[int, int]] = []
             for verifier, ids, ends in synced:
-                i = bisect.bisect_right(ends, here)
-                if here > 0 and (i == 0 or ends[i - 1] != here):
+                i = boundary_index(ends, here)
+                if i is None:
                     break
                 own = ids[i] if i < len(ids) else (verifier.member.eos_id if is_eos else None)
                 if own is None or (is_eos and i < len(ids)):

@@ -87,7 +87,8 @@ class SafeEnsembleLM(LM):
         return torch.device(self.drafter.device)
 
     def all_gather(self, tensor: Any) -> Any:
-        return self.process_group.all_gather(tensor.to("cpu") if self.world_size > 1 else tensor)
+        # lm-eval puts the tensor on self.device: the right place for gloo (CPU) and nccl (GPU)
+        return self.process_group.all_gather(tensor)
 
     def gather_object(self, obj: Any, dst: int = 0) -> Any:
         return self.process_group.gather_object(obj, dst)
@@ -234,7 +235,7 @@ class SafeEnsembleLM(LM):
         encoded = [[encode_pair(m, c, x) for c, x in args] for m in self.members]
         per_member = score_members(
             self.members,
-            lambda member: [(ctx, cont) for ctx, cont, _ in encoded[member.index]],
+            [[(ctx, cont) for ctx, cont, _ in enc] for enc in encoded],
             self.options,
             kind="loglikelihood",
             labels=[(c[-60:], x) for c, x in args],
@@ -269,9 +270,10 @@ class SafeEnsembleLM(LM):
         log-probs are then combined at common boundaries like a loglikelihood continuation."""
         texts = [str(request.args[0]) for request in requests]
         token_ids = [[m.encode(text) for text in texts] for m in self.members]
+        # every member's rolling windows, and the text each window belongs to
+        all_pairs: list[list[tuple[list[int], list[int]]]] = []
         owners: list[list[int]] = []
-
-        def windows(member: Member) -> list[tuple[list[int], list[int]]]:
+        for member in self.members:
             pairs, owner = [], []
             for i, ids in enumerate(token_ids[member.index]):
                 for ctx, pred in map(
@@ -285,12 +287,12 @@ class SafeEnsembleLM(LM):
                 ):
                     pairs.append((ctx, pred))
                     owner.append(i)
+            all_pairs.append(pairs)
             owners.append(owner)
-            return pairs
 
         per_member = score_members(
             self.members,
-            windows,
+            all_pairs,
             self.options,
             kind="loglikelihood_rolling",
             labels=[t[:60] for t in texts],

@@ -264,7 +264,7 @@ def score_tokens(
 
 def score_members(
     members: Sequence[Member],
-    pairs_of: Callable[[Member], list[tuple[list[int], list[int]]]],
+    all_pairs: Sequence[list[tuple[list[int], list[int]]]],
     options: Any,
     kind: str,
     labels: Sequence[Any],
@@ -274,7 +274,6 @@ def score_members(
     progress bar; a bad pair fails in one line naming the request (``labels[i]``)."""
     from tqdm import tqdm
 
-    all_pairs = [pairs_of(member) for member in members]
     results = []
     with tqdm(
         total=sum(len(p) for p in all_pairs), disable=disable_tqdm, desc=f"Running {kind} requests"
