@@ -180,14 +180,14 @@ def resolve_source(spec: str, configured_cache: str | None = None) -> MemberSour
 
 
 def pick_device(requested: str | None) -> str:
-    import torch
+    """``requested`` checked against this machine (``auto``/None: cuda if visible, else cpu).
 
-    if requested in (None, "", "auto"):
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if str(requested).startswith("cuda") and not torch.cuda.is_available():
-        logger.warning("device=%s requested but CUDA is not available; using cpu", requested)
-        return "cpu"
-    return str(requested)
+    A device the machine lacks is an :class:`OptionError`, not a warning and a run on cpu: a
+    GPU run that silently falls back takes hours and reports CPU speeds as the ensemble's."""
+    from lm_eval_safe.placement import resolve_device, visible_hardware
+
+    cuda_count, mps = visible_hardware()
+    return resolve_device(requested, cuda_count=cuda_count, mps_available=mps)
 
 
 def pick_dtype(dtype: str, device: str) -> Any:
@@ -207,15 +207,16 @@ def _converted_folder(source: MemberSource, dtype_name: str, root: Path) -> Path
 
 
 def _load_pretrained(
-    location: str, dtype: Any, trust_remote_code: bool, **kwargs: Any
+    location: str, dtype: Any, trust_remote_code: bool, device_map: str | None = None, **kwargs: Any
 ) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(
         location, trust_remote_code=trust_remote_code, **kwargs
     )
+    placement = {} if device_map is None else {"device_map": device_map}
     model = AutoModelForCausalLM.from_pretrained(
-        location, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs
+        location, dtype=dtype, trust_remote_code=trust_remote_code, **placement, **kwargs
     )
     return model, tokenizer
 
@@ -240,9 +241,17 @@ def _save_dequantized(model: Any, tokenizer: Any, folder: Path) -> None:
 
 
 def load_weights(
-    source: MemberSource, dtype: Any, trust_remote_code: bool, cache_dir: str | None
+    source: MemberSource,
+    dtype: Any,
+    trust_remote_code: bool,
+    cache_dir: str | None,
+    device_map: str | None = None,
 ) -> tuple[Any, Any]:
-    """Model and tokenizer of a source; GGUF goes through the safetensors cache."""
+    """Model and tokenizer of a source; GGUF goes through the safetensors cache.
+
+    With ``device_map`` (``"auto"``: accelerate spreads the layers over the GPUs) the model is
+    loaded straight onto its devices; a GGUF is first de-quantized on cpu into the cache and
+    then loaded from there, so a member too large for one GPU never has to fit on one."""
     if source.kind == "gguf":
         if find_spec("gguf") is None:
             raise OptionError(
@@ -251,7 +260,7 @@ def load_weights(
         dtype_name = str(dtype).replace("torch.", "")
         folder = _converted_folder(source, dtype_name, cache_root(cache_dir))
         if (folder / "complete.json").is_file():
-            return _load_pretrained(str(folder), dtype, trust_remote_code)
+            return _load_pretrained(str(folder), dtype, trust_remote_code, device_map)
         start = time.perf_counter()
         gguf = Path(source.location)
         model, tokenizer = _load_pretrained(
@@ -269,9 +278,12 @@ def load_weights(
         (tmp / "complete.json").write_text(json.dumps(source.describe()))
         shutil.rmtree(folder, ignore_errors=True)
         tmp.replace(folder)
+        if device_map is not None:
+            del model
+            return _load_pretrained(str(folder), dtype, trust_remote_code, device_map)
         return model, tokenizer
     try:
-        return _load_pretrained(source.location, dtype, trust_remote_code)
+        return _load_pretrained(source.location, dtype, trust_remote_code, device_map)
     except OSError as exc:
         if source.kind == "hub" and os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
             raise OptionError(
@@ -285,7 +297,10 @@ def load_weights(
 
 @dataclass
 class Member:
-    """One loaded causal LM with its own tokenizer, device and context window."""
+    """One loaded causal LM with its own tokenizer, device and context window.
+
+    ``device`` is where the member was asked to go; with ``device_map="auto"`` its layers span
+    several GPUs, so code that feeds the model puts input ids on :attr:`input_device`."""
 
     source: MemberSource
     model: Any
@@ -296,10 +311,23 @@ class Member:
     add_bos_token: bool | None = None
     index: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    device_map: str | None = None
 
     @property
     def name(self) -> str:
         return self.source.name
+
+    @cached_property
+    def input_device(self) -> Any:
+        """The torch device of the input embedding layer: where input ids must go.
+
+        Equal to ``device`` for a member on one device; the first GPU of a member spread by
+        ``device_map``. Cached: it is read once per forward pass and weights never move."""
+        return self.model.get_input_embeddings().weight.device
+
+    def parameter_devices(self) -> list[str]:
+        """Every device holding some of the member's weights, sorted (one unless device_map)."""
+        return sorted({str(p.device) for p in self.model.parameters()})
 
     @cached_property
     def vocab(self) -> Any:
@@ -362,6 +390,11 @@ class Member:
             **self.source.describe(),
             "dtype": str(self.dtype).replace("torch.", ""),
             "device": self.device,
+            **(
+                {"device_map": self.device_map, "devices": self.parameter_devices()}
+                if self.device_map
+                else {}
+            ),
             "max_length": self.max_length,
             "vocab_size": len(self.tokenizer),
             "model_type": getattr(self.model.config, "model_type", None),
@@ -391,12 +424,17 @@ def load_member(
     cache_dir: str | None = None,
     max_length: int | None = None,
     add_bos_token: bool | None = None,
+    device_map: str | None = None,
 ) -> Member:
+    """Load one member onto ``device`` (checked: a device this machine lacks is an error), or
+    with ``device_map="auto"`` spread by accelerate over the GPUs (``device`` then only picks
+    the dtype: bfloat16 for ``cuda`` under ``dtype=auto``)."""
     source = resolve_source(spec, cache_dir)
     device = pick_device(device)
     torch_dtype = pick_dtype(dtype, device)
-    model, tokenizer = load_weights(source, torch_dtype, trust_remote_code, cache_dir)
-    model.to(device)
+    model, tokenizer = load_weights(source, torch_dtype, trust_remote_code, cache_dir, device_map)
+    if device_map is None:
+        model.to(device)  # a dispatched model must not be moved: accelerate's hooks own it
     model.eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -409,4 +447,5 @@ def load_member(
         max_length=_max_length(model, tokenizer, max_length),
         add_bos_token=add_bos_token,
         index=index,
+        device_map=device_map,
     )

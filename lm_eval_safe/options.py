@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -15,7 +16,7 @@ SCHEDULES = ("safe", "every", "aligned", "threshold", "drafter")
 AGGREGATORS = ("gac", "unite")
 SHARPENINGS = ("heuristic", "geometric", "none")
 LL_AGGREGATES = ("mean", "logmean")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 
 
 class OptionError(ValueError):
@@ -62,6 +63,28 @@ def _as_number(value: Any, key: str, kind: type) -> Any:
         return kind(value)
     except (TypeError, ValueError) as exc:
         raise OptionError(f"{key}={value!r} must be a {kind.__name__}") from exc
+
+
+def parse_batch_size(value: Any) -> int | str:
+    """``N`` (a positive integer), ``auto`` or lm-eval's ``auto:N``.
+
+    ``auto:N`` asks lm-eval's ``hf`` model to re-measure the batch size N times; here ``auto``
+    already sizes every batch from a token budget, so N is checked and then has nothing to do.
+    Anything else (``abc``, ``0``, ``-2``, ``2.5``) is refused rather than rounded or clamped."""
+    text = str(value).strip().lower()
+    hint = "give a positive integer, auto or auto:N"
+    head, colon, count = text.partition(":")
+    if head == "auto":
+        if colon and not (re.fullmatch(r"[0-9]+", count) and int(count) >= 1):
+            raise OptionError(
+                f"batch_size={value!r}: the N of auto:N must be a positive integer; {hint}"
+            )
+        return "auto"
+    if isinstance(value, bool) or not re.fullmatch(r"[+-]?[0-9]+", text):
+        raise OptionError(f"batch_size={value!r} is not a batch size; {hint}")
+    if int(text) < 1:
+        raise OptionError(f"batch_size={value!r} must be at least 1; {hint}")
+    return int(text)
 
 
 def _choice(value: Any, key: str, choices: tuple[str, ...]) -> str:
@@ -156,8 +179,7 @@ def parse_options(raw: dict[str, Any]) -> SafeOptions:
     if raw.get("cache_dir") not in (None, ""):
         opts.cache_dir = str(raw["cache_dir"])
     if raw.get("batch_size") not in (None, ""):
-        bs = str(raw["batch_size"]).strip()
-        opts.batch_size = "auto" if bs.startswith("auto") else _as_number(bs, "batch_size", int)
+        opts.batch_size = parse_batch_size(raw["batch_size"])
     if raw.get("weights") not in (None, ""):
         opts.weights = [
             _as_number(w, "weights", float) for w in split_list(raw["weights"], "weights")
@@ -178,6 +200,8 @@ def _validate(opts: SafeOptions) -> None:
         raise OptionError(f"sharpen_lambda={opts.sharpen_lambda} must be in [0, 1)")
     if opts.max_gen_toks < 1:
         raise OptionError(f"max_gen_toks={opts.max_gen_toks} must be at least 1")
+    if opts.max_batch_size < 1:
+        raise OptionError(f"max_batch_size={opts.max_batch_size} must be at least 1")
     if opts.weights is not None:
         if len(opts.weights) != n:
             raise OptionError(

@@ -153,11 +153,16 @@ def _pick(
 
 
 def _select_cache(cache: Any, rows: torch.Tensor) -> Any:
-    """A new cache holding the given batch rows (repeats allowed): one row per choice."""
+    """A new cache holding the given batch rows (repeats allowed): one row per choice.
+
+    Each layer is indexed on its own device: under ``device_map`` layers live on several GPUs."""
     from transformers import DynamicCache
 
+    def pick(states: torch.Tensor) -> torch.Tensor:
+        return states[rows.to(states.device)]
+
     return DynamicCache(
-        ddp_cache_data=[(layer.keys[rows], layer.values[rows]) for layer in cache.layers]
+        ddp_cache_data=[(pick(layer.keys), pick(layer.values)) for layer in cache.layers]
     )
 
 
@@ -170,7 +175,7 @@ def _score_batch(
     from transformers import DynamicCache
 
     model, vocab = member.model, len(member.vocab)
-    device = model.device
+    device = member.input_device  # not model.device: under device_map the embeddings decide
     pad = member.tokenizer.pad_token_id or 0
     lengths = [len(g.ctx) for g in batch]
     width = max(lengths)
@@ -211,7 +216,7 @@ def _score_batch(
     for r, (_, _, cont) in enumerate(rows):
         feed[r, : len(cont) - 1] = torch.tensor(cont[:-1])
         targets[r, : len(cont) - 1] = torch.tensor(cont[1:])
-    cache = _select_cache(cache, row_groups.to(device))
+    cache = _select_cache(cache, row_groups)
     ctx_mask = mask[row_groups]
     base = torch.tensor(lengths, dtype=torch.long)[row_groups]
     step = max(1, LOGITS_BUDGET // max(1, len(rows) * vocab))
@@ -229,7 +234,7 @@ def _score_batch(
         logits = model(
             input_ids=feed[:, start:stop].to(device), cache=cache, use_cache=True, **extra
         ).logits
-        lp, hit = _pick(logits, targets[:, start:stop].to(device), vocab)
+        lp, hit = _pick(logits, targets[:, start:stop].to(logits.device), vocab)
         lps.append(lp.cpu())
         greedy.append(hit.cpu())
     all_lp, all_greedy = torch.cat(lps, dim=1), torch.cat(greedy, dim=1)

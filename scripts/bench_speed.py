@@ -201,7 +201,7 @@ def make_decoder(
 def hf_generate(member: Member, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """The drafter alone through transformers ``generate`` (greedy); returns the new ids."""
     ignore_eos = isinstance(member.model, _NoEosModel)
-    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=member.model.device)
+    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=member.input_device)
     config = member.model.generation_config
     pad = member.tokenizer.pad_token_id
     with warnings.catch_warnings(), torch.inference_mode():

@@ -84,6 +84,16 @@ def test_model_args_win_over_cli_device() -> None:
         ({"members": "a,b", "drafter": "5"}, "out of range"),
         ({"members": "a,b", "top_k": "x"}, "top_k='x' must be a int"),
         ({"members": "a,b", "member_devices": "cpu"}, "member_devices has 1 entries"),
+        ({"members": "a", "batch_size": "abc"}, "batch_size='abc' is not a batch size"),
+        ({"members": "a", "batch_size": "0"}, "batch_size='0' must be at least 1"),
+        ({"members": "a", "batch_size": 0}, "batch_size=0 must be at least 1"),
+        ({"members": "a", "batch_size": "-2"}, "batch_size='-2' must be at least 1"),
+        ({"members": "a", "batch_size": "2.5"}, "batch_size='2.5' is not a batch size"),
+        ({"members": "a", "batch_size": 2.5}, "batch_size=2.5 is not a batch size"),
+        ({"members": "a", "batch_size": "auto:0"}, "the N of auto:N must be a positive integer"),
+        ({"members": "a", "batch_size": "auto:x"}, "the N of auto:N must be a positive integer"),
+        ({"members": "a", "batch_size": "automatic"}, "is not a batch size"),
+        ({"members": "a", "max_batch_size": "0"}, "max_batch_size=0 must be at least 1"),
     ],
 )
 def test_bad_options_fail_in_one_line(raw: dict, fragment: str) -> None:
@@ -91,6 +101,20 @@ def test_bad_options_fail_in_one_line(raw: dict, fragment: str) -> None:
         parse_options(raw)
     assert fragment in str(info.value)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("4", 4), (8, 8), (" 16 ", 16), ("auto", "auto"), ("AUTO", "auto"), ("auto:4", "auto")],
+)
+def test_batch_size_forms(value: object, expected: object) -> None:
+    """``auto:N`` is lm-eval's syntax (re-measure N times); ``auto`` sizes every batch anyway."""
+    assert parse_options({"members": "a", "batch_size": value}).batch_size == expected
+
+
+def test_batch_size_errors_say_what_to_type() -> None:
+    with pytest.raises(OptionError, match="give a positive integer, auto or auto:N$"):
+        parse_options({"members": "a", "batch_size": "-2"})
 
 
 def test_drafter_by_name_and_index() -> None:
