@@ -12,31 +12,21 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections import deque
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from lm_eval_safe.aggregate import Choice, UnionVocabulary, View, gac, unite
+from lm_eval_safe.batching import Forward, MemberBatch
 from lm_eval_safe.members import Member, cache_root
 from lm_eval_safe.options import SafeOptions
 from lm_eval_safe.stats import GenerationStats
 from lm_eval_safe.vocabulary import EOS_KEY, is_char_boundary
 
 logger = logging.getLogger(__name__)
-
-
-def _new_cache() -> Any:
-    from transformers import DynamicCache
-
-    # No config: every layer keeps full states, so sliding-window models can be cropped anywhere.
-    return DynamicCache()
-
-
-def crop_cache(cache: Any, length: int) -> None:
-    current = cache.get_seq_length()
-    if length < current:
-        cache.crop(length - current)
 
 
 def valid_utf8_prefix(data: bytes) -> str:
@@ -60,43 +50,47 @@ class WindowExhausted(RuntimeError):
     """A verifier's context window is full; the request continues with the drafter alone."""
 
 
-@torch.inference_mode()
-def forward_logprobs(member: Member, ids: list[int], cache: Any, keep: int | list[int]) -> torch.Tensor:
-    """Feed ``ids`` through the cache; log-softmax at the last ``keep`` positions (an int) or at
-    the listed positions of ``ids``, restricted to the tokenizer's ids.
+# A row's decoding steps are a generator: it yields the forwards it needs (answered with the
+# log-prob rows) and CYCLE_END after each SAFE cycle, where the batch waits for all its rows.
+CYCLE_END = object()
+Steps = Generator[Any, Any, Any]
 
-    Only the needed rows go through the output layer: for a 262k vocabulary it costs more than
-    the rest of a small model. Models may pad the embedding matrix beyond the tokenizer (Qwen:
-    151936 vs 152064 rows): those rows are not tokens and never take part.
-    """
-    input_ids = torch.tensor([ids], dtype=torch.long, device=member.model.device)
-    if isinstance(keep, int):
-        to_keep: int | torch.Tensor = keep
-    else:
-        to_keep = torch.tensor(keep if keep else [len(ids) - 1], dtype=torch.long, device=input_ids.device)
-    out = member.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=to_keep)
-    logits = out.logits[0, :, : len(member.vocab)]
-    if isinstance(keep, int):
-        logits = logits[-keep:]
-    elif not keep:
-        logits = logits[:0]
-    return torch.log_softmax(logits.float(), dim=-1).cpu()
+
+def drive(steps: Steps, batches: Any) -> Any:
+    """Run one row's steps on its own: ``batches[k]`` serves forwards of member ``k``."""
+    try:
+        call = next(steps)
+        while True:
+            out = None if call is CYCLE_END else batches[call.member].run({0: call})[0]
+            call = steps.send(out)
+    except StopIteration as stop:
+        return stop.value
+
+
+def solo_batch(member: Member) -> MemberBatch:
+    batch = MemberBatch(member)
+    batch.add_row()
+    return batch
 
 
 class DrafterRun:
-    """The drafter's decoding state for one request: KV cache plus ids not yet fed."""
+    """The drafter's decoding state for one request: tokens in its cache plus ids not yet fed."""
 
-    def __init__(self, member: Member, prompt_ids: list[int]):
+    def __init__(self, member: Member, prompt_ids: list[int], slot: int = 0):
         self.member = member
-        self.cache = _new_cache()
+        self.slot = slot
         self.prompt_len = len(prompt_ids)
+        self.cached = 0
         self.pending = list(prompt_ids)
 
-    def draft(self, n: int) -> tuple[list[int], list[torch.Tensor]]:
+    def draft(self, n: int) -> Steps:
         tokens: list[int] = []
         logprobs: list[torch.Tensor] = []
         for _ in range(n):
-            row = forward_logprobs(self.member, self.pending, self.cache, 1)[0]
+            fed = self.pending
+            rows = yield Forward(self.slot, self.cached, fed, [len(fed) - 1])
+            self.cached += len(fed)
+            row = rows[0]
             token = int(torch.argmax(row))
             tokens.append(token)
             logprobs.append(row)
@@ -107,7 +101,7 @@ class DrafterRun:
 
     def rewind(self, generated_kept: int, pending: list[int]) -> None:
         """Drop drafted tokens from the cache: keep the prompt and ``generated_kept`` tokens."""
-        crop_cache(self.cache, self.prompt_len + generated_kept)
+        self.cached = min(self.cached, self.prompt_len + generated_kept)
         self.pending = list(pending)
 
 
@@ -120,21 +114,29 @@ class VerifierRun:
     the rest is recomputed. The prompt is never recomputed.
     """
 
-    def __init__(self, member: Member, prompt_ids: list[int], reuse_cache: bool = True):
+    def __init__(
+        self, member: Member, prompt_ids: list[int], reuse_cache: bool = True, slot: int = 1
+    ):
         self.member = member
+        self.slot = slot
         self.prompt_ids = list(prompt_ids)
         self.reuse_cache = reuse_cache
-        self.cache = _new_cache()
         self.gen_ids: list[int] = []
         self.pred: dict[int, torch.Tensor] = {}
         self.recomputed = 0
-
-    def _prefill(self) -> None:
-        self.pred[0] = forward_logprobs(self.member, self.prompt_ids, self.cache, 1)[0]
+        self._solo: dict[int, MemberBatch] | None = None
 
     def sync(
         self, text: str, text_bytes: bytes, want_offsets: set[int] | None = None
     ) -> tuple[list[int], list[int] | None]:
+        """:meth:`sync_steps` run on this verifier's own cache (outside a batch)."""
+        if self._solo is None:
+            self._solo = {self.slot: solo_batch(self.member)}
+        return drive(self.sync_steps(text, text_bytes, want_offsets), self._solo)
+
+    def sync_steps(
+        self, text: str, text_bytes: bytes, want_offsets: set[int] | None = None
+    ) -> Steps:
         """Tokenize the generated ``text`` and feed what the cache lacks in one forward pass.
 
         ``pred`` then holds the distributions predicting the token at each byte offset in
@@ -143,7 +145,8 @@ class VerifierRun:
         the ids do not spell the text exactly: then no position of this text is aligned).
         """
         if 0 not in self.pred:
-            self._prefill()
+            prompt = self.prompt_ids
+            self.pred[0] = (yield Forward(self.slot, 0, prompt, [len(prompt) - 1]))[0]
         ids = self.member.vocab.encode_text(self.member.tokenizer, text)
         if len(self.prompt_ids) + len(ids) > self.member.max_length:
             raise WindowExhausted(self.member.name)
@@ -160,9 +163,9 @@ class VerifierRun:
         missing = sorted(i for i in wanted if i not in self.pred)
         start = min(keep, missing[0] - 1) if missing else keep  # pred[0] always exists
         feed = ids[start:]
-        crop_cache(self.cache, len(self.prompt_ids) + start)
         if feed:
-            rows = forward_logprobs(self.member, feed, self.cache, [i - 1 - start for i in missing])
+            want = [i - 1 - start for i in missing]
+            rows = yield Forward(self.slot, len(self.prompt_ids) + start, feed, want)
             for i, row in zip(missing, rows, strict=True):
                 self.pred[i] = row
             self.recomputed += len(feed)
@@ -230,23 +233,73 @@ class SafeDecoder:
             ids = ids[-room:]
         return ids
 
-    # -- one request ---------------------------------------------------------------------
+    # -- requests ----------------------------------------------------------------------
     def generate(
         self, context: str, until: list[str], max_new_tokens: int
     ) -> tuple[str, GenerationStats]:
+        return self.generate_many([(context, until, max_new_tokens)], batch_size=1)[0]
+
+    def generate_many(
+        self,
+        jobs: list[tuple[str, list[str], int]],
+        batch_size: int = 1,
+        on_done: Callable[[int, tuple[str, GenerationStats]], None] | None = None,
+    ) -> list[tuple[str, GenerationStats]]:
+        """Decode ``(context, until, max_new_tokens)`` jobs, ``batch_size`` rows at a time.
+
+        Rows advance in lock-step SAFE cycles: every row drafts (one batched drafter forward per
+        step), then each verifier serves the rows that need it in one batched forward, then each
+        row accepts or rolls back on its own. A finished row is replaced by the next job at the
+        cycle's end (continuous refill). Jobs start longest first, as lm-eval's Collator orders
+        them, so rows finish at similar times; results come back in the original order.
+        """
+        members = [self.drafter, *self.verifiers]
+        batches = [MemberBatch(m) for m in members]
+        order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][0]))
+        queue = deque(order)
+        results: list[Any] = [None] * len(jobs)
+        rows: list[_Row] = []
+        while queue or rows:
+            while queue and len(rows) < max(1, batch_size):
+                index = queue.popleft()
+                for batch in batches:
+                    batch.add_row()
+                rows.append(_Row(index, self._decode(*jobs[index])))
+            for row in rows:
+                row.advance()
+            # serve forwards, drafter first, until every row has ended its cycle
+            while waiting := [(r, row.call) for r, row in enumerate(rows) if row.call is not None]:
+                member = min(call.member for _, call in waiting)
+                calls = {r: call for r, call in waiting if call.member == member}
+                for r, out in batches[member].run(calls).items():
+                    rows[r].advance(out)
+            alive = [r for r, row in enumerate(rows) if not row.done]
+            for row in rows:
+                if row.done:
+                    results[row.index] = row.result
+                    if on_done is not None:
+                        on_done(row.index, row.result)
+            for batch in batches:
+                batch.keep_rows(alive)
+            rows = [rows[r] for r in alive]
+        return results
+
+    def _decode(self, context: str, until: list[str], max_new_tokens: int) -> Steps:
+        """One request's SAFE loop (SAFE_SPEC §3): the same code at every batch size."""
         start_time = time.perf_counter()
         stats = GenerationStats()
         drafter = self.drafter
         run = DrafterRun(drafter, self.prompt_ids(drafter, context, max_new_tokens))
         verifiers: list[VerifierRun] = []
         if self.schedule != "drafter":
-            for member in self.verifiers:
+            for slot, member in enumerate(self.verifiers, start=1):
                 reserve = min(member.max_length // 2, 2 * max_new_tokens + 8)
                 verifiers.append(
                     VerifierRun(
                         member,
                         self.prompt_ids(member, context, reserve),
                         self.options.verifier_cache,
+                        slot=slot,
                     )
                 )
         schedule = self.schedule
@@ -256,13 +309,13 @@ class SafeDecoder:
         while len(generated) < max_new_tokens:
             budget = max_new_tokens - len(generated)
             n = 1 if schedule == "every" else min(self.options.draft_len, budget)
-            tokens, logprobs = run.draft(n)
+            tokens, logprobs = yield from run.draft(n)
             stats.drafted_tokens += len(tokens)
             stats.cycles += 1
             point = None
             if schedule != "drafter":
                 try:
-                    point = self._find_point(
+                    point = yield from self._find_point(
                         schedule, verifiers, generated_bytes, tokens, logprobs, stats
                     )
                 except WindowExhausted as exc:
@@ -292,6 +345,7 @@ class SafeDecoder:
             text = drafter.tokenizer.decode(generated[:max_new_tokens], skip_special_tokens=True)
             if eos_at is not None or _find_stop(text, until) is not None:
                 break
+            yield CYCLE_END
         generated = generated[:max_new_tokens]
         stats.generated_tokens = len(generated)
         stats.verifier_positions = sum(v.recomputed for v in verifiers)
@@ -308,15 +362,19 @@ class SafeDecoder:
         tokens: list[int],
         logprobs: list[torch.Tensor],
         stats: GenerationStats,
-    ) -> EnsemblePoint | None:
+    ) -> Steps:
+        """The first position to ensemble among the drafted ``tokens`` (an EnsemblePoint), or
+        None: the schedule's rule, with verifiers synced only when the rule needs them."""
         vocab = self.drafter.vocab
         if schedule == "every":
-            return EnsemblePoint(0, self._views_at_end(verifiers, committed, logprobs[0], stats))
+            views = yield from self._views_at_end(verifiers, committed, logprobs[0], stats)
+            return EnsemblePoint(0, views)
         if schedule == "threshold":
             for j, row in enumerate(logprobs):
                 if float(row.max().exp()) < self.options.threshold:
                     prefix = committed + vocab.spell(tokens[:j])
-                    return EnsemblePoint(j, self._views_at_end(verifiers, prefix, row, stats))
+                    views = yield from self._views_at_end(verifiers, prefix, row, stats)
+                    return EnsemblePoint(j, views)
             return None
         # safe / aligned: drafter-side filters first, so a cycle with no candidate position
         # costs no verifier forward at all (the verifier caches catch up in a later cycle).
@@ -339,7 +397,7 @@ class SafeDecoder:
         want = {here for _, here in candidates}
         synced = []
         for verifier in verifiers:
-            ids, ends = verifier.sync(text, full, want)
+            ids, ends = yield from verifier.sync_steps(text, full, want)
             if ends is None:
                 return None
             synced.append((verifier, ids, ends))
@@ -392,14 +450,14 @@ class SafeDecoder:
         text_bytes: bytes,
         drafter_row: torch.Tensor,
         stats: GenerationStats,
-    ) -> list[View]:
+    ) -> Steps:
         """Views after each verifier's full tokenization of the text (OOV-like where misaligned:
         the behaviour of the every-token and threshold baselines, counted in the stats)."""
         text = valid_utf8_prefix(text_bytes)
         aligned = len(text.encode("utf-8")) == len(text_bytes)
         views = [View(drafter_row, self.drafter.vocab, self.drafter.tokenizer, self.weights[0])]
         for verifier, weight in zip(verifiers, self.weights[1:], strict=True):
-            ids, ends = verifier.sync(text, text_bytes)
+            ids, ends = yield from verifier.sync_steps(text, text_bytes)
             aligned = aligned and ends is not None and (not ends or ends[-1] == len(text_bytes))
             member = verifier.member
             views.append(View(verifier.pred[len(ids)], member.vocab, member.tokenizer, weight))
@@ -433,6 +491,30 @@ class SafeDecoder:
         if not ids:
             return [drafted]
         return ids if self.options.aggregator == "gac" else ids[:1]
+
+
+class _Row:
+    """A job in the batch: its decoding steps and the forward it waits for (None: the cycle's
+    end, or done)."""
+
+    def __init__(self, index: int, steps: Steps):
+        self.index = index
+        self.steps = steps
+        self.call: Forward | None = None
+        self.done = False
+        self.result: Any = None
+        self._started = False
+
+    def advance(self, answer: Any = None) -> None:
+        if self.done:
+            return
+        try:
+            step = self.steps.send(answer) if self._started else next(self.steps)
+        except StopIteration as stop:
+            self.done, self.call, self.result = True, None, stop.value
+            return
+        self._started = True
+        self.call = None if step is CYCLE_END else step
 
 
 def _find_stop(text: str, until: list[str]) -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
 from lm_eval.api.model import LM
@@ -14,10 +15,12 @@ from tqdm import tqdm
 
 from lm_eval_safe import __version__
 from lm_eval_safe._autoregister import fold_bare_items
+from lm_eval_safe.batching import generation_batch_size
 from lm_eval_safe.decoding import SafeDecoder
 from lm_eval_safe.distributed import ProcessGroup
 from lm_eval_safe.members import CHAT_MARKER, Member, load_member
 from lm_eval_safe.options import OptionError, SafeOptions, parse_options, resolve_drafter_index
+from lm_eval_safe.placement import LM_EVAL_CLI_DEFAULT_DEVICE, plan_placement, visible_hardware
 from lm_eval_safe.scoring import (
     MemberScore,
     combine,
@@ -53,15 +56,22 @@ class SafeEnsembleLM(LM):
         self.drafter_index = resolve_drafter_index(opts.drafter, opts.members)
         self.process_group = ProcessGroup.from_environment()
         self._rank, self._world_size = self.process_group.rank, self.process_group.world_size
-        device = opts.device
-        if self.process_group.device and (device is None or str(device).startswith("cuda")):
-            device = self.process_group.device  # data parallel: each process on its own GPU
-        devices = opts.member_devices or [device] * len(opts.members)
+        cuda_count, mps_available = visible_hardware()
+        placements = plan_placement(
+            opts.members,
+            opts.device,
+            opts.member_devices,
+            cuda_count=cuda_count,
+            mps_available=mps_available,
+            world_size=self._world_size,
+            process_device=self.process_group.device,
+        )
         self.members: list[Member] = [
             load_member(
                 spec,
                 index=i,
-                device=devices[i],
+                device=placements[i].device,
+                device_map=placements[i].device_map,
                 dtype=opts.dtype,
                 trust_remote_code=opts.trust_remote_code,
                 cache_dir=opts.cache_dir,
@@ -94,7 +104,19 @@ class SafeEnsembleLM(LM):
         return self.process_group.gather_object(obj, dst)
 
     def barrier(self) -> None:
-        self.process_group.barrier()
+        """Wait for every rank, and sum the ranks' SAFE statistics while at it.
+
+        lm-eval calls ``barrier`` on every rank after each request type, so a collective here
+        pairs up across ranks (an all-gather waits for all ranks, as a barrier does). The sum
+        is not taken in ``generate_until``: with ``--use_cache`` lm-eval's ``CachingLM`` skips
+        ``generate_until`` on a rank whose requests are all cached, and a collective there
+        would wait forever for that rank."""
+        if self.world_size <= 1:
+            return
+        total = GenerationStats()
+        for part in self.process_group.all_gather_object(self.run_stats):
+            total.add(part)
+        self.total_stats = total
 
     # -- construction from lm-eval ---------------------------------------------------------
     @classmethod
@@ -107,7 +129,11 @@ class SafeEnsembleLM(LM):
     def create_from_arg_obj(
         cls, arg_dict: dict[str, Any], additional_config: dict | None = None
     ) -> SafeEnsembleLM:
-        """Merge the CLI's ``device``/``batch_size`` with model_args; model_args win."""
+        """Merge the CLI's ``device``/``batch_size`` with model_args; model_args win.
+
+        lm-eval's CLI passes ``device="cuda:0"`` even when ``--device`` was not typed, so that
+        value from the CLI means ``auto`` (cuda if visible, else cpu); any other CLI device, and
+        every device in model_args, is checked and fails in one line when the machine lacks it."""
         args = dict(arg_dict)
         # a dict from lm-eval's plain parser: {"members": "a", "b": ""} -> fold "b" back in
         bare = [k for k, v in args.items() if v == "" and k not in SafeOptions.__dataclass_fields__]
@@ -116,6 +142,8 @@ class SafeEnsembleLM(LM):
             for key in bare:
                 del args[key]
         for key, value in (additional_config or {}).items():
+            if key == "device" and value == LM_EVAL_CLI_DEFAULT_DEVICE:
+                continue
             if value is not None and key not in args:
                 args[key] = value
         return cls(**args)
@@ -174,19 +202,16 @@ class SafeEnsembleLM(LM):
 
     # -- requests --------------------------------------------------------------------------
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        results: list[str] = []
+        """Greedy SAFE generation, ``batch_size`` requests decoded together (same text as one at
+        a time). Each finished request goes to lm-eval's cache at once, so an interrupted run
+        keeps what it finished."""
         eos_text = (
             self.drafter.tokenizer.decode([self.drafter.eos_id])
             if self.drafter.eos_id is not None
             else None
         )
-        for index, request in enumerate(
-            tqdm(
-                requests,
-                disable=disable_tqdm or self.rank != 0,
-                desc="Running generate_until requests",
-            )
-        ):
+        jobs: list[tuple[str, list[str], int]] = []
+        for request in requests:
             context, gen_kwargs = request.args
             kwargs = normalize_gen_kwargs(dict(gen_kwargs or {}), self.max_gen_toks)
             if kwargs.get("do_sample"):
@@ -199,24 +224,38 @@ class SafeEnsembleLM(LM):
                 raise OptionError(
                     f"max_gen_toks={max_gen_toks} must be less than {self.drafter.name}'s window ({self.drafter.max_length})"
                 )
-            text, stats = self.decoder.generate(context, until, max_gen_toks)
-            self.run_stats.add(stats)
+            jobs.append((context, until, max_gen_toks))
+        batch_size = generation_batch_size(self.options, self.members, jobs)
+        progress = tqdm(
+            total=len(jobs),
+            disable=disable_tqdm or self.rank != 0,
+            desc="Running generate_until requests",
+        )
+        started = time.perf_counter()
+        call_stats = GenerationStats()
+
+        def finished(index: int, result: tuple[str, GenerationStats]) -> None:
+            text, stats = result
+            call_stats.add(stats)
             self.request_stats.append({"request": index, **stats.summary()})
             logger.debug("request %d: %s", index, stats.line())
-            results.append(text)
-            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
-        if self.world_size > 1:  # every rank calls generate_until: a collective is safe here
-            self.total_stats = GenerationStats()
-            for part in self.process_group.all_gather_object(self.run_stats):
-                self.total_stats.add(part)
+            self.cache_hook.add_partial("generate_until", requests[index].args, text)
+            progress.update(1)
+
+        outputs = self.decoder.generate_many(jobs, batch_size, on_done=finished)
+        progress.close()
+        # per-request wall times overlap in a batch: the run's time is the elapsed time
+        call_stats.wall_seconds = time.perf_counter() - started if jobs else 0.0
+        self.run_stats.add(call_stats)
         if requests and self.decoder.schedule != "drafter":
             logger.info(
-                "SAFE %s/%s: %s",
+                "SAFE %s/%s (batch_size %d): %s",
                 self.decoder.schedule,
                 self.options.aggregator,
+                batch_size,
                 self.run_stats.line(),
             )
-        return results
+        return [text for text, _ in outputs]
 
     def _weights(self) -> list[float]:
         return self.options.weights or [1.0] * len(self.members)

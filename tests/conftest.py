@@ -36,6 +36,7 @@ if str(_TESTS_DIR) not in sys.path:
 
 from tiny_models import (  # noqa: E402
     make_tiny_causal_lm,
+    make_tiny_gemma3,
     perturbed_copy,
     save_member,
     train_byte_bpe_tokenizer,
@@ -46,6 +47,7 @@ TINY_BPE_SEED = 0
 TINY_BPE_PERTURB_SEED = 100
 TINY_SP_SEED = 1
 TINY_BPE_PADDED_SEED = 2
+TINY_GEMMA_SEED = 3
 TINY_VOCAB_PAD = 37  # Qwen-like: embedding rows beyond len(tokenizer)
 
 
@@ -119,6 +121,13 @@ def tiny_bpe_padded_dir(
     """BPE tokenizer + model with `vocab_size = len(tokenizer) + 37` (mimics Qwen's padded embeddings)."""
     tok, _ = _tiny_bpe_parts
     return save_member(_tiny_bpe_padded_model, tok, tmp_path_factory.mktemp("tiny_bpe_padded"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma_dir(tmp_path_factory: pytest.TempPathFactory, _tiny_sp_parts: Parts) -> Path:
+    """SentencePiece-style tokenizer + tiny Gemma-3 (sliding window 8, soft-capped logits)."""
+    tok, _ = _tiny_sp_parts
+    return save_member(make_tiny_gemma3(tok, seed=TINY_GEMMA_SEED), tok, tmp_path_factory.mktemp("tiny_gemma"))
 
 
 # --------------------------------------------------------------------------------------

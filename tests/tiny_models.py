@@ -34,7 +34,7 @@ from tokenizers import (
     processors,
     trainers,
 )
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 __all__ = [
     "BPE_CHAT_TEMPLATE",
@@ -470,6 +470,42 @@ def make_tiny_causal_lm(
     return model
 
 
+def make_tiny_gemma3(
+    tokenizer: PreTrainedTokenizerFast, seed: int, sliding_window: int = 8
+) -> PreTrainedModel:
+    """A tiny Gemma-3 text model: sliding-window and full-attention layers, soft-capped logits.
+
+    Why: the real Gemma-3 member alternates local (sliding) and global layers; batched decoding
+    must apply the window from real positions, not cache slots. A window of 8 tokens is shorter
+    than every test prompt, so a wrong window changes the logits at once.
+    """
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    special_ids = _special_ids(tokenizer)
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        max_position_embeddings=512,
+        final_logit_softcapping=30.0,
+        initializer_range=0.2,
+        dtype="float32",
+        **special_ids,
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config).to(torch.float32).eval()
+    model.generation_config.pad_token_id = special_ids["pad_token_id"]
+    model.generation_config.bos_token_id = special_ids["bos_token_id"]
+    model.generation_config.eos_token_id = special_ids["eos_token_id"]
+    return model
+
+
 def _special_ids(tokenizer: PreTrainedTokenizerFast) -> dict[str, int | None]:
     """Return bos/eos/pad ids so config and generation_config agree with the tokenizer."""
     return {
@@ -497,7 +533,7 @@ def perturbed_copy(model: LlamaForCausalLM, seed: int, scale: float = 0.05) -> L
 
 
 def save_member(
-    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, folder: str | os.PathLike[str]
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, folder: str | os.PathLike[str]
 ) -> Path:
     """Save model + tokenizer so ``Auto*.from_pretrained(folder)`` works offline.
 

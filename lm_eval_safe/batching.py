@@ -1,0 +1,430 @@
+"""Batched forwards for SAFE: one member's KV cache shared by many requests (issue 7).
+
+SAFE rolls each request back on its own (the drafter after a rejection, a verifier when its
+re-tokenization changes the last tokens), so rows of a batch never have one common length.
+Instead of re-packing the cache on every rollback, a row's rolled-back slots become *holes*:
+every cache slot carries the real position of its token (or -1), and the attention mask is
+built from those positions. Masks, rotary positions and sliding windows therefore see exactly
+the sequence a lone request would see; holes and left padding only cost memory until the next
+compaction.
+
+A request's prompt is prefilled alone (batch of one, exactly the forward a lone request runs)
+and spliced into its row, so prompts of different lengths never pad each other.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lm_eval_safe.members import Member
+
+logger = logging.getLogger(__name__)
+
+# Slots beyond the longest row that may hold holes before the cache is compacted: compaction
+# copies the whole cache, like one forward's ``torch.cat`` does, so it must be rare.
+_COMPACT_SLACK = 48
+
+
+@dataclass
+class Forward:
+    """One row's request to run a member: keep ``keep`` tokens of its sequence in the cache,
+    feed ``ids`` after them and return the next-token log-probs after each index in ``want``
+    (indices into ``ids``)."""
+
+    member: int
+    keep: int
+    ids: list[int]
+    want: list[int] = field(default_factory=list)
+
+
+def _new_cache() -> Any:
+    from transformers import DynamicCache
+
+    # No config: every layer keeps full states, so sliding-window models can be cropped anywhere
+    # (the window is applied by the mask, from real positions).
+    return DynamicCache()
+
+
+def crop_cache(cache: Any, length: int) -> None:
+    current = cache.get_seq_length()
+    if length < current:
+        cache.crop(length - current)
+
+
+def _layers(cache: Any) -> list[Any]:
+    return [layer for layer in cache.layers if getattr(layer, "is_initialized", False)]
+
+
+def _vocab_logprobs(member: Member, logits: torch.Tensor) -> torch.Tensor:
+    """Models may pad the embedding matrix beyond the tokenizer (Qwen: 151936 vs 152064 rows):
+    those rows are not tokens and never take part."""
+    logits = logits[..., : len(member.vocab)]
+    # at least float32 (bf16 log-probs are too coarse to compare members); float64 stays float64
+    return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1).cpu()
+
+
+@torch.inference_mode()
+def forward_logprobs(
+    member: Member, ids: list[int], cache: Any, keep: int | list[int]
+) -> torch.Tensor:
+    """Feed ``ids`` (one sequence) through ``cache``; log-softmax at the last ``keep`` positions
+    (an int) or at the listed positions of ``ids``.
+
+    Only the needed rows go through the output layer: for a 262k vocabulary it costs more than
+    the rest of a small model.
+    """
+    input_ids = torch.tensor([ids], dtype=torch.long, device=member.input_device)
+    if isinstance(keep, int):
+        to_keep: int | torch.Tensor = keep
+    else:
+        # on cpu: with device_map=auto the hidden states it indexes sit on the last device
+        to_keep = torch.tensor(keep if keep else [len(ids) - 1], dtype=torch.long)
+    out = member.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=to_keep)
+    logits = out.logits[0]
+    if isinstance(keep, int):
+        logits = logits[-keep:]
+    elif not keep:
+        logits = logits[:0]
+    return _vocab_logprobs(member, logits)
+
+
+class MemberBatch:
+    """One member's KV cache for the rows of a batch, with per-row lengths and rollback.
+
+    ``positions[r, s]`` is the position in row ``r``'s sequence of the token cached in slot
+    ``s``, or -1 for a hole or padding. Row ``r`` holds positions ``0 .. lengths[r] - 1``.
+    """
+
+    def __init__(self, member: Member):
+        self.member = member
+        self.cache: Any = None
+        self.positions = torch.empty((0, 0), dtype=torch.long)
+        self.lengths: list[int] = []
+        self._head_checked: bool | None = None
+
+    # -- rows ----------------------------------------------------------------------------
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def slots(self) -> int:
+        return self.positions.shape[1]
+
+    def add_row(self) -> int:
+        """An empty row at the end of the batch; returns its index."""
+        self.lengths.append(0)
+        pad = torch.full((1, self.slots), -1, dtype=torch.long)
+        self.positions = torch.cat([self.positions, pad]) if self.rows > 1 else pad
+        if self.cache is not None:
+            for layer in _layers(self.cache):
+                zeros_k = layer.keys.new_zeros((1, *layer.keys.shape[1:]))
+                zeros_v = layer.values.new_zeros((1, *layer.values.shape[1:]))
+                layer.keys = torch.cat([layer.keys, zeros_k])
+                layer.values = torch.cat([layer.values, zeros_v])
+        return self.rows - 1
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Drop every row not listed (finished requests); the listed rows keep their order."""
+        if rows == list(range(self.rows)):
+            return
+        self.lengths = [self.lengths[r] for r in rows]
+        index = torch.tensor(rows, dtype=torch.long)
+        self.positions = self.positions[index]
+        if self.cache is not None:
+            if not rows:
+                self.cache = None
+                self.positions = torch.empty((0, 0), dtype=torch.long)
+                return
+            for layer in _layers(self.cache):
+                device_index = index.to(layer.keys.device)
+                layer.keys = layer.keys.index_select(0, device_index)
+                layer.values = layer.values.index_select(0, device_index)
+        self._trim()
+
+    def truncate(self, row: int, length: int) -> None:
+        if length > self.lengths[row]:
+            raise RuntimeError(
+                f"row {row} of {self.member.name} holds {self.lengths[row]} tokens, cannot keep {length}"
+            )
+        if length < self.lengths[row]:
+            self.positions[row][self.positions[row] >= length] = -1
+            self.lengths[row] = length
+
+    # -- forwards ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, calls: dict[int, Forward]) -> dict[int, torch.Tensor]:
+        """Serve the rows' calls: fresh rows (``keep == 0``) are prefilled alone and spliced in,
+        the others share one batched forward. Returns each row's log-prob rows."""
+        results: dict[int, torch.Tensor] = {}
+        batched: dict[int, Forward] = {}
+        for row, call in calls.items():
+            self.truncate(row, call.keep)
+            if call.keep == 0:
+                results[row] = self._prefill_alone(row, call)
+            elif call.ids:
+                batched[row] = call
+            else:
+                results[row] = torch.empty((0, len(self.member.vocab)))
+        self._trim()
+        if batched:
+            results.update(self._forward(batched))
+        self._maybe_compact()
+        return results
+
+    def _prefill_alone(self, row: int, call: Forward) -> torch.Tensor:
+        cache = _new_cache()
+        rows = forward_logprobs(self.member, call.ids, cache, list(call.want))
+        self._splice(row, cache, len(call.ids))
+        return rows
+
+    def _splice(self, row: int, cache: Any, length: int) -> None:
+        """Put a lone sequence's cache into ``row``'s last slots (right-aligned), widening the
+        batch's cache on the left when the sequence is longer than it."""
+        self.lengths[row] = length
+        if self.cache is None and self.rows == 1:
+            self.cache = cache
+            self.positions = torch.arange(length, dtype=torch.long)[None]
+            return
+        if self.cache is None:  # rows exist but hold nothing yet: an all-hole cache to splice into
+            self.cache = cache
+            width = length
+            self.positions = torch.full((self.rows, width), -1, dtype=torch.long)
+            for layer in _layers(self.cache):
+                layer.keys = layer.keys.expand(self.rows, -1, -1, -1).clone()
+                layer.values = layer.values.expand(self.rows, -1, -1, -1).clone()
+            self.positions[row] = torch.arange(length)
+            return
+        grow = length - self.slots
+        if grow > 0:
+            self.positions = torch.cat(
+                [torch.full((self.rows, grow), -1, dtype=torch.long), self.positions], dim=1
+            )
+            for layer in _layers(self.cache):
+                layer.keys = torch.cat(
+                    [
+                        layer.keys.new_zeros((*layer.keys.shape[:2], grow, layer.keys.shape[3])),
+                        layer.keys,
+                    ],
+                    dim=2,
+                )
+                layer.values = torch.cat(
+                    [
+                        layer.values.new_zeros(
+                            (*layer.values.shape[:2], grow, layer.values.shape[3])
+                        ),
+                        layer.values,
+                    ],
+                    dim=2,
+                )
+        start = self.slots - length
+        self.positions[row] = -1
+        self.positions[row, start:] = torch.arange(length)
+        for mine, theirs in zip(_layers(self.cache), _layers(cache), strict=True):
+            mine.keys[row, :, start:] = theirs.keys[0]
+            mine.values[row, :, start:] = theirs.values[0]
+
+    def _trim(self) -> None:
+        """Crop trailing slots that no row uses (a lone row's rollback becomes a plain crop)."""
+        if self.cache is None or self.slots == 0:
+            return
+        used = (self.positions >= 0).any(dim=0).nonzero()
+        keep = int(used.max()) + 1 if used.numel() else 0
+        if keep < self.slots:
+            crop_cache(self.cache, keep)
+            self.positions = self.positions[:, :keep]
+
+    def _maybe_compact(self) -> None:
+        longest = max(self.lengths, default=0)
+        if self.cache is None or self.slots <= longest + _COMPACT_SLACK:
+            return
+        # each row's live slots, in order, right-aligned to the longest row
+        order = torch.full((self.rows, longest), -1, dtype=torch.long)
+        for row in range(self.rows):
+            live = (self.positions[row] >= 0).nonzero().flatten()
+            if live.numel():
+                order[row, longest - live.numel() :] = live
+        gather = order.clamp_min(0)
+        new_positions = torch.where(order >= 0, self.positions.gather(1, gather), -1)
+        for layer in _layers(self.cache):
+            index = gather.to(layer.keys.device)[:, None, :, None]
+            layer.keys = layer.keys.gather(
+                2, index.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            )
+            layer.values = layer.values.gather(
+                2, index.expand(-1, layer.values.shape[1], -1, layer.values.shape[3])
+            )
+        self.positions = new_positions
+
+    def _forward(self, calls: dict[int, Forward]) -> dict[int, torch.Tensor]:
+        member = self.member
+        device = member.input_device
+        width = max(len(call.ids) for call in calls.values())
+        pad_id = member.tokenizer.pad_token_id or 0
+        input_ids = torch.full((self.rows, width), pad_id, dtype=torch.long)
+        query_pos = torch.full((self.rows, width), -1, dtype=torch.long)
+        for row, call in calls.items():
+            n = len(call.ids)
+            input_ids[row, :n] = torch.tensor(call.ids)
+            query_pos[row, :n] = torch.arange(self.lengths[row], self.lengths[row] + n)
+        plain = self.rows == 1 and bool((self.positions >= 0).all())
+        if plain:  # a lone, hole-free row: exactly the unbatched forward
+            ((row, call),) = calls.items()
+            rows = forward_logprobs(member, call.ids, self.cache, list(call.want))
+            self.positions = torch.cat([self.positions, query_pos], dim=1)
+            self.lengths[row] += len(call.ids)
+            return {row: rows}
+        key_pos = torch.cat([self.positions, query_pos], dim=1)
+        out = member.model.base_model(
+            input_ids=input_ids.to(device),
+            attention_mask=self._mask_argument(key_pos, query_pos),
+            position_ids=query_pos.clamp_min(0).to(device),
+            cache=self.cache,
+            use_cache=True,
+        )
+        hidden = out.last_hidden_state
+        picks = [(row, i) for row, call in calls.items() for i in call.want]
+        results: dict[int, torch.Tensor] = {}
+        if picks:
+            index_rows = torch.tensor([p[0] for p in picks], device=hidden.device)
+            index_cols = torch.tensor([p[1] for p in picks], device=hidden.device)
+            logprobs = _vocab_logprobs(member, self._head(hidden[index_rows, index_cols][None])[0])
+            start = 0
+            for row, call in calls.items():
+                results[row] = logprobs[start : start + len(call.want)]
+                start += len(call.want)
+        for row, call in calls.items():
+            results.setdefault(row, torch.empty((0, len(member.vocab))))
+            self.lengths[row] += len(call.ids)
+        self.positions = key_pos
+        return results
+
+    # -- model specifics -----------------------------------------------------------------
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output layer on chosen hidden states (``logits_to_keep`` selects the same columns
+        for every row, which would run a 262k-vocabulary head on every padded position)."""
+        if self._head_checked is None:
+            self._head_checked = self._head_matches_model()
+        if not self._head_checked:
+            raise NotImplementedError(
+                f"batch_size>1 cannot reproduce {type(self.member.model).__name__}'s output layer; use batch_size=1"
+            )
+        return self._output_layer(hidden)
+
+    def _output_layer(self, hidden: torch.Tensor) -> torch.Tensor:
+        model = self.member.model
+        logits = model.get_output_embeddings()(hidden)
+        cap = getattr(model.config, "final_logit_softcapping", None)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _head_matches_model(self) -> bool:
+        """Output layer plus soft-capping reproduces the model's own logits (checked once, on
+        two tokens): an architecture with other output transforms is refused, not mis-scored."""
+        model = self.member.model
+        if model.get_output_embeddings() is None:
+            return False
+        ids = torch.tensor(
+            [[self.member.prefix_token_id, self.member.prefix_token_id]],
+            device=self.member.input_device,
+        )
+        full = model(input_ids=ids).logits
+        hidden = model.base_model(input_ids=ids).last_hidden_state
+        mine = self._output_layer(hidden)
+        return bool(torch.allclose(mine.float(), full.float(), atol=1e-4, rtol=1e-4))
+
+    def _mask_argument(self, key_pos: torch.Tensor, query_pos: torch.Tensor) -> Any:
+        """The 4D attention mask (or one per layer type) from real positions: causal, minus
+        holes and padding, within each layer's sliding window. A padded query attends to itself
+        only, so its (unused) output stays finite and never leaks NaN into the cache."""
+        config = self.member.model.config
+        layer_types = getattr(config, "layer_types", None)
+        window = getattr(config, "sliding_window", None)
+        if not layer_types:
+            use = window if getattr(config, "use_sliding_window", True) else None
+            return self._mask(key_pos, query_pos, use)
+        masks = {}
+        for kind in set(layer_types):
+            if kind == "full_attention":
+                masks[kind] = self._mask(key_pos, query_pos, None)
+            elif kind == "sliding_attention":
+                masks[kind] = self._mask(key_pos, query_pos, window)
+            else:
+                raise NotImplementedError(
+                    f"batch_size>1 does not support {kind!r} layers ({type(self.member.model).__name__}); use batch_size=1"
+                )
+        return masks
+
+    def _mask(
+        self, key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None
+    ) -> torch.Tensor:
+        keys = key_pos[:, None, :]
+        queries = query_pos[:, :, None]
+        allowed = (keys >= 0) & (keys <= queries)
+        if window is not None:
+            allowed &= queries - keys < window
+        width = query_pos.shape[1]
+        own = torch.zeros_like(allowed)
+        own[:, :, -width:] = torch.eye(width, dtype=torch.bool)
+        allowed = torch.where(queries < 0, own, allowed)[:, None]
+        implementation = getattr(self.member.model.config, "_attn_implementation", "sdpa")
+        device = self.member.input_device
+        if implementation == "sdpa":
+            return allowed.to(device)
+        if implementation == "eager":
+            dtype = self.member.model.dtype
+            return (
+                torch.zeros(allowed.shape, dtype=dtype)
+                .masked_fill(~allowed, torch.finfo(dtype).min)
+                .to(device)
+            )
+        raise NotImplementedError(
+            f"batch_size>1 needs sdpa or eager attention; {self.member.name} uses {implementation!r}"
+        )
+
+
+# batch_size=auto on CPU: rows decoded together. Past about 8 rows a CPU's matrix units are
+# busy and more rows only add latency (scripts/bench_batch.py measures the curve).
+AUTO_CPU_ROWS = 8
+
+
+def kv_bytes_per_token(member: Member) -> int:
+    """KV-cache bytes one token costs this member (keys and values, every layer)."""
+    config = member.model.config
+    config = getattr(config, "text_config", None) or config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = torch.finfo(member.model.dtype).bits // 8
+    return 2 * config.num_hidden_layers * heads * head_dim * element
+
+
+def generation_batch_size(
+    options: Any, members: list[Member], jobs: list[tuple[str, list[str], int]]
+) -> int:
+    """Rows decoded together: ``batch_size`` as given, or for ``auto`` as many as the free
+    memory of the members' GPUs holds (KV caches of the longest job, half the free memory, at
+    most ``max_batch_size``); on CPU, :data:`AUTO_CPU_ROWS`."""
+    if options.batch_size != "auto":
+        return max(1, int(options.batch_size))
+    if not jobs:
+        return 1
+    devices = {m.input_device for m in members}
+    if not all(d.type == "cuda" for d in devices):
+        return min(AUTO_CPU_ROWS, options.max_batch_size)
+    # tokens a row may hold: the longest prompt (counted as one token per 2 characters, more
+    # than any tokenizer here makes) plus its generation
+    longest = max(len(context) // 2 + new for context, _, new in jobs)
+    per_row = {d: 0 for d in devices}
+    for member in members:
+        tokens = min(longest, member.max_length)
+        per_row[member.input_device] += kv_bytes_per_token(member) * tokens * 2  # cat copies
+    rows = min(
+        torch.cuda.mem_get_info(device)[0] // 2 // max(1, need) for device, need in per_row.items()
+    )
+    logger.info("batch_size=auto: %d rows fit the free GPU memory", rows)
+    return int(max(1, min(rows, options.max_batch_size)))
