@@ -20,7 +20,6 @@ from helpers import gen_request, make_lm, random_prompts
 from lm_eval_safe import batching
 from lm_eval_safe.batching import Forward, MemberBatch
 from lm_eval_safe.members import load_member
-from lm_eval_safe.options import OptionError
 
 
 def _full_logprobs(member, ids: list[int]) -> torch.Tensor:
@@ -134,9 +133,3 @@ def test_batch_size_auto_on_cpu(tiny_bpe_dir: Path, tiny_sp_dir: Path) -> None:
     assert batching.generation_batch_size(lm.options, lm.members, jobs) == batching.AUTO_CPU_ROWS
     lm = make_lm(tiny_bpe_dir, tiny_sp_dir, batch_size="auto", max_batch_size=3)
     assert batching.generation_batch_size(lm.options, lm.members, jobs) == 3
-
-
-@pytest.mark.parametrize("value", ["abc", "0", "-2", "2.5"])
-def test_bad_batch_size(tiny_bpe_dir: Path, value: str) -> None:
-    with pytest.raises(OptionError, match="batch_size"):
-        make_lm(tiny_bpe_dir, batch_size=value)

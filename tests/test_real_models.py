@@ -77,7 +77,8 @@ def test_smollm2_loglikelihood_equals_lm_eval_hf(smollm) -> None:
 
 
 def test_pair_on_gsm8k_reports_stats(pair, shared_dir: Path) -> None:
-    """SmolLM2 drafting, Gemma-3 verifying: five GSM8K questions, 128 new tokens each."""
+    """SmolLM2 drafting, Gemma-3 verifying: five GSM8K questions, 128 new tokens each, one at a
+    time and then all five as one batch."""
     rows = _gsm8k(shared_dir, 5)
     requests = [gen_request(MATH_PROMPT.format(q=r["question"]), until=[], max_gen_toks=128) for r in rows]
     outputs = pair.generate_until(requests, disable_tqdm=True)
@@ -88,6 +89,13 @@ def test_pair_on_gsm8k_reports_stats(pair, shared_dir: Path) -> None:
     assert 0 < stats["ensemble_rate_percent"] < 100
     assert 0 < stats["acceptance_rate"] <= 1
     assert stats["verifier_positions"] > 0
+    # the same requests decoded together (float32): the same texts, token for token
+    pair.options.batch_size = len(requests)
+    try:
+        batched = pair.generate_until(requests, disable_tqdm=True)
+    finally:
+        pair.options.batch_size = 1
+    assert batched == outputs
 
 
 def test_three_real_members(models: Path) -> None:
