@@ -74,7 +74,12 @@ def solo_batch(member: Member) -> MemberBatch:
 
 
 class DrafterRun:
-    """The drafter's decoding state for one request: tokens in its cache plus ids not yet fed."""
+    """The drafter's decoding state for one request: tokens in its cache plus ids not yet fed.
+
+    Drafted tokens after an ensemble point whose choice was the drafter's own token are kept
+    (``carried``) rather than drafted again: greedy decoding would reproduce them exactly from
+    the same cache, so the next cycle starts with them and drafts only the rest of its window.
+    """
 
     def __init__(self, member: Member, prompt_ids: list[int], slot: int = 0):
         self.member = member
@@ -82,14 +87,20 @@ class DrafterRun:
         self.prompt_len = len(prompt_ids)
         self.cached = 0
         self.pending = list(prompt_ids)
+        self.drafted = 0  # drafter forwards that produced a token (carried tokens count once)
+        self.carried: list[tuple[int, torch.Tensor]] = []
 
     def draft(self, n: int) -> Steps:
-        tokens: list[int] = []
-        logprobs: list[torch.Tensor] = []
-        for _ in range(n):
+        taken, self.carried = self.carried[:n], self.carried[n:]
+        tokens = [token for token, _ in taken]
+        logprobs = [row for _, row in taken]
+        if tokens and tokens[-1] in self.member.eos_ids:
+            return tokens, logprobs
+        while len(tokens) < n:
             fed = self.pending
             rows = yield Forward(self.slot, self.cached, fed, [len(fed) - 1])
             self.cached += len(fed)
+            self.drafted += 1
             row = rows[0]
             token = int(torch.argmax(row))
             tokens.append(token)
@@ -99,10 +110,15 @@ class DrafterRun:
                 break
         return tokens, logprobs
 
+    def carry(self, tokens: list[int], logprobs: list[torch.Tensor]) -> None:
+        """Keep drafted tokens that follow an accepted ensemble point for the next cycle."""
+        self.carried = list(zip(tokens, logprobs, strict=True)) + self.carried
+
     def rewind(self, generated_kept: int, pending: list[int]) -> None:
         """Drop drafted tokens from the cache: keep the prompt and ``generated_kept`` tokens."""
         self.cached = min(self.cached, self.prompt_len + generated_kept)
         self.pending = list(pending)
+        self.carried = []
 
 
 class VerifierRun:
@@ -310,7 +326,6 @@ class SafeDecoder:
             budget = max_new_tokens - len(generated)
             n = 1 if schedule == "every" else min(self.options.draft_len, budget)
             tokens, logprobs = yield from run.draft(n)
-            stats.drafted_tokens += len(tokens)
             stats.cycles += 1
             point = None
             if schedule != "drafter":
@@ -332,9 +347,14 @@ class SafeDecoder:
                 replacement = self._to_drafter_ids(choice, tokens[j])
                 stats.ensemble_ops += 1
                 stats.sharpened_ops += int(choice.sharpened)
-                stats.accepted_tokens += j + int(replacement[:1] == tokens[j : j + 1])
-                tokens = tokens[:j] + replacement
-                run.rewind(len(generated) + j, replacement)
+                if replacement == tokens[j : j + 1]:  # the drafter's own token: no rewind
+                    stats.accepted_tokens += j + 1
+                    run.carry(tokens[j + 1 :], logprobs[j + 1 :])
+                    tokens = tokens[: j + 1]
+                else:
+                    stats.accepted_tokens += j
+                    tokens = tokens[:j] + replacement
+                    run.rewind(len(generated) + j, replacement)
             eos_at = next((i for i, t in enumerate(tokens) if t in drafter.eos_ids), None)
             if eos_at is not None:
                 tokens = tokens[: eos_at + 1]
@@ -348,6 +368,7 @@ class SafeDecoder:
             yield CYCLE_END
         generated = generated[:max_new_tokens]
         stats.generated_tokens = len(generated)
+        stats.drafted_tokens = run.drafted
         stats.verifier_positions = sum(v.recomputed for v in verifiers)
         stats.wall_seconds = time.perf_counter() - start_time
         stop = _find_stop(text, until)

@@ -97,6 +97,30 @@ def test_sampling_request_is_refused(bpe_single) -> None:
         )
 
 
+def test_ensemble_keeping_the_drafted_token_never_redrafts(
+    tiny_bpe_dir: Path, tiny_bpe_perturbed_dir: Path, bpe_reference
+) -> None:
+    """With the verifier's weight at 0, every ensemble (``aligned``: at every aligned position)
+    picks the drafter's own token; the tokens drafted after it are then kept, not drafted
+    again, so the drafter runs exactly once per generated token and says what it says alone."""
+    lm = make_lm(
+        tiny_bpe_dir,
+        tiny_bpe_perturbed_dir,
+        schedule="aligned",
+        aggregator="unite",
+        sharpen="none",
+        weights="1,0",
+    )
+    model, tok = bpe_reference
+    for prompt in random_prompts(6, seed=6):
+        (got,) = lm.generate_until([gen_request(prompt, until=[], max_gen_toks=24)], disable_tqdm=True)
+        assert got == hf_greedy_text(model, tok, prompt, 24)
+    stats = lm.run_stats
+    assert stats.ensemble_ops >= 3
+    assert stats.drafted_tokens == stats.generated_tokens
+    assert stats.accepted_tokens == stats.generated_tokens
+
+
 @pytest.mark.parametrize("schedule", ["drafter", "safe", "aligned"])
 def test_same_model_twice_equals_hf_generate(tiny_bpe_dir: Path, bpe_reference, schedule: str) -> None:
     """Identical members agree at every aligned position, so schedules that only ensemble there

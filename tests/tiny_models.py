@@ -42,6 +42,7 @@ __all__ = [
     "SP_CHAT_TEMPLATE",
     "build_default_corpus",
     "make_tiny_causal_lm",
+    "make_tiny_gemma3",
     "perturbed_copy",
     "save_member",
     "train_byte_bpe_tokenizer",
