@@ -57,7 +57,7 @@ class SafeEnsembleLM(LM):
         self.process_group = ProcessGroup.from_environment()
         self._rank, self._world_size = self.process_group.rank, self.process_group.world_size
         cuda_count, mps_available = visible_hardware()
-        placements = plan_placement(
+        self.placements = plan_placement(
             opts.members,
             opts.device,
             opts.member_devices,
@@ -70,8 +70,8 @@ class SafeEnsembleLM(LM):
             load_member(
                 spec,
                 index=i,
-                device=placements[i].device,
-                device_map=placements[i].device_map,
+                device=self.placements[i].device,
+                device_map=self.placements[i].device_map,
                 dtype=opts.dtype,
                 trust_remote_code=opts.trust_remote_code,
                 cache_dir=opts.cache_dir,

@@ -80,20 +80,7 @@ class Report:
 
 def check_placement(lm: Any, report: Report) -> None:
     """Every member's weights on its planned device(s); inputs on its embeddings' device."""
-    from lm_eval_safe.placement import plan_placement, visible_hardware
-
-    cuda_count, mps = visible_hardware()
-    opts = lm.options
-    plan = plan_placement(
-        opts.members,
-        opts.device,
-        opts.member_devices,
-        cuda_count=cuda_count,
-        mps_available=mps,
-        world_size=lm.world_size,
-        process_device=lm.process_group.device,
-    )
-    for member, placement in zip(lm.members, plan, strict=True):
+    for member, placement in zip(lm.members, lm.placements, strict=True):
         devices = member.parameter_devices()
         if placement.device_map:
             ok = all(d.startswith("cuda") for d in devices)
