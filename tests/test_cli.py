@@ -58,3 +58,43 @@ def test_simple_evaluate_with_literal_members_string(tmp_path: Path, tiny_bpe_di
     assert config["schedule"] == "every"
     assert config["safe_stats"]["ensemble_rate_percent"] == 100.0
     assert "safe_gsm8k" in results["results"]
+
+
+def test_simple_evaluate_batch_size_gives_the_same_responses(
+    tmp_path: Path, tiny_bpe_dir: Path, tiny_gemma_dir: Path
+) -> None:
+    """lm-eval's own ``batch_size`` argument reaches generation: 4 rows at a time, refilled,
+    give the responses of one at a time (float64, see tests/test_batching.py)."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    import lm_eval_safe
+
+    folder = tmp_path / "data" / "gsm8k"
+    folder.mkdir(parents=True)
+    rows = [
+        {"question": f"Tom has {a} apples and buys {b} more. How many now?", "answer": f"#### {a + b}"}
+        for a, b in [(2, 3), (10, 7), (4, 4), (31, 12), (5, 9), (8, 1)]
+    ]
+    (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    responses = {}
+    for batch_size in (1, 4):
+        results = lm_eval.simple_evaluate(
+            model="safe-ensemble",
+            model_args=f"members={tiny_bpe_dir},{tiny_gemma_dir},dtype=float64",
+            tasks=["safe_gsm8k"],
+            limit=6,
+            gen_kwargs={"max_gen_toks": 16},
+            task_manager=TaskManager(
+                include_path=lm_eval_safe.task_dir(), metadata={"data_dir": str(tmp_path / "data")}
+            ),
+            device="cpu",
+            batch_size=batch_size,
+            log_samples=True,
+        )
+        samples = sorted(results["samples"]["safe_gsm8k"], key=lambda s: s["doc_id"])
+        responses[batch_size] = [s["resps"] for s in samples]
+        assert results["config"]["safe_options"]["batch_size"] == batch_size
+    assert len(responses[1]) == 6
+    assert len({str(r) for r in responses[1]}) > 1, "responses must differ for the check to mean anything"
+    assert responses[4] == responses[1]
