@@ -64,7 +64,9 @@ def _vocab_logprobs(member: Member, logits: torch.Tensor) -> torch.Tensor:
     those rows are not tokens and never take part."""
     logits = logits[..., : len(member.vocab)]
     # at least float32 (bf16 log-probs are too coarse to compare members); float64 stays float64
-    return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1).cpu()
+    return torch.log_softmax(
+        logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1
+    ).cpu()
 
 
 @torch.inference_mode()
@@ -279,15 +281,24 @@ class MemberBatch:
             self.lengths[row] += len(call.ids)
             return {row: rows}
         key_pos = torch.cat([self.positions, query_pos], dim=1)
+        # rows without a call would each cost `width` padded positions of compute: when they are
+        # the majority, run only the calling rows on a copy of their cache slice
+        rows = sorted(calls)
+        subset = 2 * len(rows) <= self.rows
+        local = {row: i for i, row in enumerate(rows)} if subset else {r: r for r in calls}
+        cache = self._rows_cache(rows) if subset else self.cache
+        pick = torch.tensor(rows) if subset else slice(None)
         out = member.model.base_model(
-            input_ids=input_ids.to(device),
-            attention_mask=self._mask_argument(key_pos, query_pos),
-            position_ids=query_pos.clamp_min(0).to(device),
-            cache=self.cache,
+            input_ids=input_ids[pick].to(device),
+            attention_mask=self._mask_argument(key_pos[pick], query_pos[pick]),
+            position_ids=query_pos[pick].clamp_min(0).to(device),
+            cache=cache,
             use_cache=True,
         )
+        if subset:
+            self._append_rows(cache, rows, width)
         hidden = out.last_hidden_state
-        picks = [(row, i) for row, call in calls.items() for i in call.want]
+        picks = [(local[row], i) for row, call in calls.items() for i in call.want]
         results: dict[int, torch.Tensor] = {}
         if picks:
             index_rows = torch.tensor([p[0] for p in picks], device=hidden.device)
@@ -302,6 +313,37 @@ class MemberBatch:
             self.lengths[row] += len(call.ids)
         self.positions = key_pos
         return results
+
+    def _rows_cache(self, rows: list[int]) -> Any:
+        """A separate cache holding copies of these rows' slots (the batch's cache is untouched)."""
+        from transformers.cache_utils import DynamicLayer
+
+        sub = _new_cache()
+        for layer in self.cache.layers:
+            copy = DynamicLayer()
+            if getattr(layer, "is_initialized", False):
+                index = torch.tensor(rows, device=layer.keys.device)
+                keys, values = (
+                    layer.keys.index_select(0, index),
+                    layer.values.index_select(0, index),
+                )
+                copy.lazy_initialization(keys, values)
+                copy.keys, copy.values = keys, values
+            sub.layers.append(copy)
+        return sub
+
+    def _append_rows(self, sub: Any, rows: list[int], width: int) -> None:
+        """Append ``width`` slots to every row: the sub-batch's new states for ``rows``, zeros
+        (holes, masked by position -1) for the others."""
+        for mine, theirs in zip(self.cache.layers, sub.layers, strict=True):
+            if not getattr(mine, "is_initialized", False):
+                continue
+            index = torch.tensor(rows, device=mine.keys.device)
+            for name in ("keys", "values"):
+                old = getattr(mine, name)
+                new = old.new_zeros((old.shape[0], old.shape[1], width, old.shape[3]))
+                new[index] = getattr(theirs, name)[:, :, -width:]
+                setattr(mine, name, torch.cat([old, new], dim=2))
 
     # -- model specifics -----------------------------------------------------------------
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
