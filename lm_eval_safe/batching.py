@@ -59,6 +59,13 @@ def _layers(cache: Any) -> list[Any]:
     return [layer for layer in cache.layers if getattr(layer, "is_initialized", False)]
 
 
+def _map_states(cache: Any, change: Any) -> None:
+    """Replace every layer's keys and values ``[rows, heads, slots, dim]`` by ``change(t)``."""
+    for layer in _layers(cache):
+        layer.keys = change(layer.keys)
+        layer.values = change(layer.values)
+
+
 def _vocab_logprobs(member: Member, logits: torch.Tensor) -> torch.Tensor:
     """Models may pad the embedding matrix beyond the tokenizer (Qwen: 151936 vs 152064 rows):
     those rows are not tokens and never take part."""
@@ -94,6 +101,34 @@ def forward_logprobs(
     return _vocab_logprobs(member, logits)
 
 
+def _output_layer(member: Member, hidden: torch.Tensor) -> torch.Tensor:
+    model = member.model
+    logits = model.get_output_embeddings()(hidden)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+@torch.inference_mode()
+def _head_matches_model(member: Member) -> bool:
+    """Output layer plus soft-capping reproduces the model's own logits (checked once per
+    member, on two tokens): an architecture with other output transforms is refused, not
+    mis-scored."""
+    if "batched_head" not in member.extra:
+        model = member.model
+        matches = model.get_output_embeddings() is not None
+        if matches:
+            ids = torch.tensor(
+                [[member.prefix_token_id, member.prefix_token_id]], device=member.input_device
+            )
+            full = model(input_ids=ids).logits
+            mine = _output_layer(member, model.base_model(input_ids=ids).last_hidden_state)
+            matches = bool(torch.allclose(mine.float(), full.float(), atol=1e-4, rtol=1e-4))
+        member.extra["batched_head"] = matches
+    return bool(member.extra["batched_head"])
+
+
 class MemberBatch:
     """One member's KV cache for the rows of a batch, with per-row lengths and rollback.
 
@@ -106,7 +141,6 @@ class MemberBatch:
         self.cache: Any = None
         self.positions = torch.empty((0, 0), dtype=torch.long)
         self.lengths: list[int] = []
-        self._head_checked: bool | None = None
 
     # -- rows ----------------------------------------------------------------------------
     @property
@@ -123,11 +157,7 @@ class MemberBatch:
         pad = torch.full((1, self.slots), -1, dtype=torch.long)
         self.positions = torch.cat([self.positions, pad]) if self.rows > 1 else pad
         if self.cache is not None:
-            for layer in _layers(self.cache):
-                zeros_k = layer.keys.new_zeros((1, *layer.keys.shape[1:]))
-                zeros_v = layer.values.new_zeros((1, *layer.values.shape[1:]))
-                layer.keys = torch.cat([layer.keys, zeros_k])
-                layer.values = torch.cat([layer.values, zeros_v])
+            _map_states(self.cache, lambda t: torch.cat([t, t.new_zeros((1, *t.shape[1:]))]))
         return self.rows - 1
 
     def keep_rows(self, rows: list[int]) -> None:
@@ -142,10 +172,7 @@ class MemberBatch:
                 self.cache = None
                 self.positions = torch.empty((0, 0), dtype=torch.long)
                 return
-            for layer in _layers(self.cache):
-                device_index = index.to(layer.keys.device)
-                layer.keys = layer.keys.index_select(0, device_index)
-                layer.values = layer.values.index_select(0, device_index)
+            _map_states(self.cache, lambda t: t.index_select(0, index.to(t.device)))
         self._trim()
 
     def truncate(self, row: int, length: int) -> None:
@@ -196,9 +223,7 @@ class MemberBatch:
             self.cache = cache
             width = length
             self.positions = torch.full((self.rows, width), -1, dtype=torch.long)
-            for layer in _layers(self.cache):
-                layer.keys = layer.keys.expand(self.rows, -1, -1, -1).clone()
-                layer.values = layer.values.expand(self.rows, -1, -1, -1).clone()
+            _map_states(self.cache, lambda t: t.expand(self.rows, -1, -1, -1).clone())
             self.positions[row] = torch.arange(length)
             return
         grow = length - self.slots
@@ -206,23 +231,10 @@ class MemberBatch:
             self.positions = torch.cat(
                 [torch.full((self.rows, grow), -1, dtype=torch.long), self.positions], dim=1
             )
-            for layer in _layers(self.cache):
-                layer.keys = torch.cat(
-                    [
-                        layer.keys.new_zeros((*layer.keys.shape[:2], grow, layer.keys.shape[3])),
-                        layer.keys,
-                    ],
-                    dim=2,
-                )
-                layer.values = torch.cat(
-                    [
-                        layer.values.new_zeros(
-                            (*layer.values.shape[:2], grow, layer.values.shape[3])
-                        ),
-                        layer.values,
-                    ],
-                    dim=2,
-                )
+            _map_states(
+                self.cache,
+                lambda t: torch.cat([t.new_zeros((*t.shape[:2], grow, t.shape[3])), t], dim=2),
+            )
         start = self.slots - length
         self.positions[row] = -1
         self.positions[row, start:] = torch.arange(length)
@@ -252,14 +264,11 @@ class MemberBatch:
                 order[row, longest - live.numel() :] = live
         gather = order.clamp_min(0)
         new_positions = torch.where(order >= 0, self.positions.gather(1, gather), -1)
-        for layer in _layers(self.cache):
-            index = gather.to(layer.keys.device)[:, None, :, None]
-            layer.keys = layer.keys.gather(
-                2, index.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-            )
-            layer.values = layer.values.gather(
-                2, index.expand(-1, layer.values.shape[1], -1, layer.values.shape[3])
-            )
+        index = gather[:, None, :, None]
+        _map_states(
+            self.cache,
+            lambda t: t.gather(2, index.to(t.device).expand(-1, t.shape[1], -1, t.shape[3])),
+        )
         self.positions = new_positions
 
     def _forward(self, calls: dict[int, Forward]) -> dict[int, torch.Tensor]:
@@ -349,36 +358,11 @@ class MemberBatch:
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output layer on chosen hidden states (``logits_to_keep`` selects the same columns
         for every row, which would run a 262k-vocabulary head on every padded position)."""
-        if self._head_checked is None:
-            self._head_checked = self._head_matches_model()
-        if not self._head_checked:
+        if not _head_matches_model(self.member):
             raise NotImplementedError(
                 f"batch_size>1 cannot reproduce {type(self.member.model).__name__}'s output layer; use batch_size=1"
             )
-        return self._output_layer(hidden)
-
-    def _output_layer(self, hidden: torch.Tensor) -> torch.Tensor:
-        model = self.member.model
-        logits = model.get_output_embeddings()(hidden)
-        cap = getattr(model.config, "final_logit_softcapping", None)
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
-
-    def _head_matches_model(self) -> bool:
-        """Output layer plus soft-capping reproduces the model's own logits (checked once, on
-        two tokens): an architecture with other output transforms is refused, not mis-scored."""
-        model = self.member.model
-        if model.get_output_embeddings() is None:
-            return False
-        ids = torch.tensor(
-            [[self.member.prefix_token_id, self.member.prefix_token_id]],
-            device=self.member.input_device,
-        )
-        full = model(input_ids=ids).logits
-        hidden = model.base_model(input_ids=ids).last_hidden_state
-        mine = self._output_layer(hidden)
-        return bool(torch.allclose(mine.float(), full.float(), atol=1e-4, rtol=1e-4))
+        return _output_layer(self.member, hidden)
 
     def _mask_argument(self, key_pos: torch.Tensor, query_pos: torch.Tensor) -> Any:
         """The 4D attention mask (or one per layer type) from real positions: causal, minus

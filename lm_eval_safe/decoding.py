@@ -58,13 +58,12 @@ Steps = Generator[Any, Any, Any]
 
 def drive(steps: Steps, batches: Any) -> Any:
     """Run one row's steps on its own: ``batches[k]`` serves forwards of member ``k``."""
-    try:
-        call = next(steps)
-        while True:
-            out = None if call is CYCLE_END else batches[call.member].run({0: call})[0]
-            call = steps.send(out)
-    except StopIteration as stop:
-        return stop.value
+    row = _Row(0, steps)
+    row.advance()
+    while not row.done:
+        call = row.call
+        row.advance(None if call is None else batches[call.member].run({0: call})[0])
+    return row.result
 
 
 def solo_batch(member: Member) -> MemberBatch:
