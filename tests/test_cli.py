@@ -8,14 +8,32 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 
-def _tiny_gsm8k(root: Path) -> Path:
+def _tiny_gsm8k(root: Path, rows: list[dict] | None = None) -> Path:
     folder = root / "data" / "gsm8k"
     folder.mkdir(parents=True)
-    rows = [{"question": "What is 2 plus 3?", "answer": "2+3=5\n#### 5"}] * 2
+    rows = rows or [{"question": "What is 2 plus 3?", "answer": "2+3=5\n#### 5"}] * 2
     (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root / "data"
+
+
+def _simple_evaluate(data: Path, model_args: str, **kwargs: Any) -> dict:
+    """lm-eval's Python entry point on safe_gsm8k, as a pipeline would call it."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    import lm_eval_safe
+
+    return lm_eval.simple_evaluate(
+        model="safe-ensemble",
+        model_args=model_args,
+        tasks=["safe_gsm8k"],
+        task_manager=TaskManager(include_path=lm_eval_safe.task_dir(), metadata={"data_dir": str(data)}),
+        device="cpu",
+        **kwargs,
+    )
 
 
 def test_console_command_finds_its_tasks(tmp_path: Path, tiny_bpe_dir: Path, tiny_sp_dir: Path) -> None:
@@ -37,20 +55,11 @@ def test_console_command_finds_its_tasks(tmp_path: Path, tiny_bpe_dir: Path, tin
 
 
 def test_simple_evaluate_with_literal_members_string(tmp_path: Path, tiny_bpe_dir: Path, tiny_sp_dir: Path) -> None:
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
-    import lm_eval_safe
-
-    data = _tiny_gsm8k(tmp_path)
-    results = lm_eval.simple_evaluate(
-        model="safe-ensemble",
-        model_args=f"members={tiny_bpe_dir},{tiny_sp_dir},schedule=every,dtype=float32",
-        tasks=["safe_gsm8k"],
+    results = _simple_evaluate(
+        _tiny_gsm8k(tmp_path),
+        f"members={tiny_bpe_dir},{tiny_sp_dir},schedule=every,dtype=float32",
         limit=2,
         gen_kwargs={"max_gen_toks": 4},
-        task_manager=TaskManager(include_path=lm_eval_safe.task_dir(), metadata={"data_dir": str(data)}),
-        device="cpu",
         batch_size=1,
     )
     config = results["config"]
@@ -65,30 +74,18 @@ def test_simple_evaluate_batch_size_gives_the_same_responses(
 ) -> None:
     """lm-eval's own ``batch_size`` argument reaches generation: 4 rows at a time, refilled,
     give the responses of one at a time (float64, see tests/test_batching.py)."""
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
-    import lm_eval_safe
-
-    folder = tmp_path / "data" / "gsm8k"
-    folder.mkdir(parents=True)
     rows = [
         {"question": f"Tom has {a} apples and buys {b} more. How many now?", "answer": f"#### {a + b}"}
         for a, b in [(2, 3), (10, 7), (4, 4), (31, 12), (5, 9), (8, 1)]
     ]
-    (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = _tiny_gsm8k(tmp_path, rows)
     responses = {}
     for batch_size in (1, 4):
-        results = lm_eval.simple_evaluate(
-            model="safe-ensemble",
-            model_args=f"members={tiny_bpe_dir},{tiny_gemma_dir},dtype=float64",
-            tasks=["safe_gsm8k"],
+        results = _simple_evaluate(
+            data,
+            f"members={tiny_bpe_dir},{tiny_gemma_dir},dtype=float64",
             limit=6,
             gen_kwargs={"max_gen_toks": 16},
-            task_manager=TaskManager(
-                include_path=lm_eval_safe.task_dir(), metadata={"data_dir": str(tmp_path / "data")}
-            ),
-            device="cpu",
             batch_size=batch_size,
             log_samples=True,
         )
