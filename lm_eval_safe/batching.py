@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from lm_eval_safe.members import Member
+from lm_eval_safe.prefix_cache import new_cache
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +40,6 @@ class Forward:
     keep: int
     ids: list[int]
     want: list[int] = field(default_factory=list)
-
-
-def _new_cache() -> Any:
-    from transformers import DynamicCache
-
-    # No config: every layer keeps full states, so sliding-window models can be cropped anywhere
-    # (the window is applied by the mask, from real positions).
-    return DynamicCache()
 
 
 def crop_cache(cache: Any, length: int) -> None:
@@ -206,8 +199,19 @@ class MemberBatch:
         return results
 
     def _prefill_alone(self, row: int, call: Forward) -> torch.Tensor:
-        cache = _new_cache()
-        rows = forward_logprobs(self.member, call.ids, cache, list(call.want))
+        """A prompt's forward, starting from the longest prefix of it that the member's prefix
+        store holds (few-shot exemplars shared with earlier requests); its blocks then go back
+        to the store for later requests."""
+        store = self.member.prefix_store
+        if store is None:
+            cache, reused = new_cache(), 0
+        else:
+            first_wanted = min(call.want, default=len(call.ids) - 1)
+            reused, cache = store.lookup(call.ids, limit=first_wanted)
+        want = [i - reused for i in call.want]
+        rows = forward_logprobs(self.member, call.ids[reused:], cache, want)
+        if store is not None:
+            store.add(call.ids, cache)
         self._splice(row, cache, len(call.ids))
         return rows
 
@@ -327,7 +331,7 @@ class MemberBatch:
         """A separate cache holding copies of these rows' slots (the batch's cache is untouched)."""
         from transformers.cache_utils import DynamicLayer
 
-        sub = _new_cache()
+        sub = new_cache()
         for layer in self.cache.layers:
             copy = DynamicLayer()
             if getattr(layer, "is_initialized", False):

@@ -23,6 +23,7 @@ from lm_eval_safe.aggregate import Choice, UnionVocabulary, View, gac, unite
 from lm_eval_safe.batching import Forward, MemberBatch
 from lm_eval_safe.members import Member, cache_root
 from lm_eval_safe.options import SafeOptions
+from lm_eval_safe.small_rows import small_row_linears
 from lm_eval_safe.stats import GenerationStats
 from lm_eval_safe.vocabulary import EOS_KEY, is_char_boundary
 
@@ -201,6 +202,32 @@ class VerifierRun:
             del self.pred[stale]
 
 
+class DraftWindow:
+    """Tokens drafted per cycle: ``draft_len`` fixed, or ``auto``, which adapts as transformers'
+    assisted generation does: two more after a cycle whose drafted tokens were all kept, one
+    fewer after a cycle that threw drafted tokens away (an ensemble replaced one of them).
+
+    Members that often disagree waste a long window's tail at every replacement; members that
+    agree pay a verifier call per few tokens with a short one. The window a position is verified
+    in decides how much text follows it, and a verifier's tokenization (and so alignment and its
+    own next token) can depend on that text, so ``auto`` may give other texts than a fixed
+    window; a fixed ``draft_len`` gives exactly the texts it always gave."""
+
+    START = 5
+    LARGEST = 12
+
+    def __init__(self, draft_len: int | str):
+        self.adaptive = draft_len == "auto"
+        self.size = self.START if self.adaptive else int(draft_len)
+        self.largest = self.LARGEST if self.adaptive else self.size
+        self.rejected = False
+
+    def update(self) -> None:
+        if self.adaptive:
+            self.size = max(1, self.size - 1) if self.rejected else min(self.largest, self.size + 2)
+        self.rejected = False
+
+
 @dataclass
 class EnsemblePoint:
     position: int  # index into the drafted tokens
@@ -269,6 +296,16 @@ class SafeDecoder:
         them, so rows finish at similar times; results come back in the original order.
         """
         members = [self.drafter, *self.verifiers]
+        with small_row_linears(members):
+            return self._generate_many(members, jobs, batch_size, on_done)
+
+    def _generate_many(
+        self,
+        members: list[Member],
+        jobs: list[tuple[str, list[str], int]],
+        batch_size: int,
+        on_done: Callable[[int, tuple[str, GenerationStats]], None] | None,
+    ) -> list[tuple[str, GenerationStats]]:
         batches = [MemberBatch(m) for m in members]
         order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][0]))
         queue = deque(order)
@@ -318,12 +355,13 @@ class SafeDecoder:
                     )
                 )
         schedule = self.schedule
+        window = DraftWindow(self.options.draft_len)
         generated: list[int] = []
         generated_bytes = b""
         text = ""
         while len(generated) < max_new_tokens:
             budget = max_new_tokens - len(generated)
-            n = 1 if schedule == "every" else min(self.options.draft_len, budget)
+            n = 1 if schedule == "every" else min(window.size, budget)
             tokens, logprobs = yield from run.draft(n)
             stats.cycles += 1
             point = None
@@ -352,15 +390,17 @@ class SafeDecoder:
                     tokens = tokens[: j + 1]
                 else:
                     stats.accepted_tokens += j
+                    window.rejected = True
                     tokens = tokens[:j] + replacement
                     run.rewind(len(generated) + j, replacement)
+            window.update()
             eos_at = next((i for i, t in enumerate(tokens) if t in drafter.eos_ids), None)
             if eos_at is not None:
                 tokens = tokens[: eos_at + 1]
             generated.extend(tokens)
             generated_bytes += drafter.vocab.spell(tokens)
             for verifier in verifiers:
-                verifier.forget_before(len(verifier.gen_ids) - 2 * self.options.draft_len - 4)
+                verifier.forget_before(len(verifier.gen_ids) - 2 * window.largest - 4)
             text = drafter.tokenizer.decode(generated[:max_new_tokens], skip_special_tokens=True)
             if eos_at is not None or _find_stop(text, until) is not None:
                 break

@@ -312,6 +312,8 @@ class Member:
     index: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
     device_map: str | None = None
+    small_rows: Any = None  # SmallRowLinears: faster linears over few rows on this CPU
+    prefix_store: Any = None  # PrefixStore: KV states of prompt prefixes shared across requests
 
     @property
     def name(self) -> str:
@@ -425,6 +427,8 @@ def load_member(
     max_length: int | None = None,
     add_bos_token: bool | None = None,
     device_map: str | None = None,
+    fast_small_linear: str = "auto",
+    prefix_cache_mb: float = 1024,
 ) -> Member:
     """Load one member onto ``device`` (checked: a device this machine lacks is an error), or
     with ``device_map="auto"`` spread by accelerate over the GPUs (``device`` then only picks
@@ -438,6 +442,11 @@ def load_member(
     model.eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    from lm_eval_safe.prefix_cache import PrefixStore
+    from lm_eval_safe.small_rows import SmallRowLinears
+
+    small_rows = SmallRowLinears(model, fast_small_linear, cache_root(cache_dir), source.name)
+    store = PrefixStore(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None
     return Member(
         source=source,
         model=model,
@@ -448,4 +457,6 @@ def load_member(
         add_bos_token=add_bos_token,
         index=index,
         device_map=device_map,
+        small_rows=small_rows,
+        prefix_store=store,
     )

@@ -77,6 +77,8 @@ class SafeEnsembleLM(LM):
                 cache_dir=opts.cache_dir,
                 max_length=opts.max_length,
                 add_bos_token=opts.add_bos_token,
+                fast_small_linear=opts.fast_small_linear,
+                prefix_cache_mb=opts.prefix_cache_mb,
             )
             for i, spec in enumerate(opts.members)
         ]
@@ -84,10 +86,22 @@ class SafeEnsembleLM(LM):
         self.run_stats = GenerationStats()
         self.total_stats: GenerationStats | None = None  # all ranks' stats, data parallel only
         self.request_stats: list[dict[str, Any]] = []
+        self._prefill_counted = [(0, 0) for _ in self.members]
         if len(self.members) == 1:
             logger.info(
                 "safe-ensemble with one member (%s): single-model path", self.members[0].name
             )
+
+    def _count_prefill(self) -> None:
+        """Move the prefix stores' prompt-token counters (since the last call) into run_stats."""
+        for i, member in enumerate(self.members):
+            store = member.prefix_store
+            if store is None:
+                continue
+            looked, reused = self._prefill_counted[i]
+            self.run_stats.prefill_tokens += store.looked_up_tokens - looked
+            self.run_stats.prefill_tokens_saved += store.reused_tokens - reused
+            self._prefill_counted[i] = (store.looked_up_tokens, store.reused_tokens)
 
     # -- data parallel (lm-eval shards documents by rank) ------------------------------------
     @property
@@ -247,6 +261,7 @@ class SafeEnsembleLM(LM):
         # per-request wall times overlap in a batch: the run's time is the elapsed time
         call_stats.wall_seconds = time.perf_counter() - started if jobs else 0.0
         self.run_stats.add(call_stats)
+        self._count_prefill()
         if requests and self.decoder.schedule != "drafter":
             logger.info(
                 "SAFE %s/%s (batch_size %d): %s",
@@ -301,6 +316,7 @@ class SafeEnsembleLM(LM):
             )
             results.append((logprob, greedy))
             self.cache_hook.add_partial("loglikelihood", (context, continuation), (logprob, greedy))
+        self._count_prefill()
         return results
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
@@ -355,4 +371,5 @@ class SafeEnsembleLM(LM):
             )
             results.append(float(logprob))
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), float(logprob))
+        self._count_prefill()
         return results

@@ -17,6 +17,7 @@ AGGREGATORS = ("gac", "unite")
 SHARPENINGS = ("heuristic", "geometric", "none")
 LL_AGGREGATES = ("mean", "logmean")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+FAST_SMALL_LINEAR = ("auto", "on", "off")
 
 
 class OptionError(ValueError):
@@ -106,7 +107,7 @@ class SafeOptions:
     sharpen_lambda: float = 0.1
     top_k: int = 10
     weights: list[float] | None = None
-    draft_len: int = 5
+    draft_len: int | str = 5  # or "auto": adapts to how often drafted tokens are replaced
     threshold: float = 0.5
     ll_aggregate: str = "mean"
     dtype: str = "auto"
@@ -120,6 +121,8 @@ class SafeOptions:
     cache_dir: str | None = None
     verifier_cache: bool = True
     add_bos_token: bool | None = None
+    fast_small_linear: str = "auto"
+    prefix_cache_mb: float = 1024.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def public_dict(self) -> dict[str, Any]:
@@ -158,12 +161,16 @@ def parse_options(raw: dict[str, Any]) -> SafeOptions:
         ("sharpen", SHARPENINGS),
         ("ll_aggregate", LL_AGGREGATES),
         ("dtype", DTYPES),
+        ("fast_small_linear", FAST_SMALL_LINEAR),
     ):
         if raw.get(key) is not None:
             setattr(opts, key, _choice(raw[key], key, choices))
-    for key in ("sharpen_lambda", "threshold"):
+    for key in ("sharpen_lambda", "threshold", "prefix_cache_mb"):
         if raw.get(key) is not None:
             setattr(opts, key, _as_number(raw[key], key, float))
+    if str(raw.get("draft_len", "")).strip().lower() == "auto":
+        raw["draft_len"] = None
+        opts.draft_len = "auto"
     for key in ("top_k", "draft_len", "max_batch_size", "max_gen_toks", "max_length"):
         if raw.get(key) is not None:
             setattr(opts, key, _as_number(raw[key], key, int))
@@ -190,8 +197,8 @@ def parse_options(raw: dict[str, Any]) -> SafeOptions:
 
 def _validate(opts: SafeOptions) -> None:
     n = len(opts.members)
-    if opts.draft_len < 1:
-        raise OptionError(f"draft_len={opts.draft_len} must be at least 1")
+    if opts.draft_len != "auto" and int(opts.draft_len) < 1:
+        raise OptionError(f"draft_len={opts.draft_len} must be at least 1 (or auto)")
     if opts.top_k < 1:
         raise OptionError(f"top_k={opts.top_k} must be at least 1")
     if not 0.0 < opts.threshold <= 1.0:
@@ -200,6 +207,8 @@ def _validate(opts: SafeOptions) -> None:
         raise OptionError(f"sharpen_lambda={opts.sharpen_lambda} must be in [0, 1)")
     if opts.max_gen_toks < 1:
         raise OptionError(f"max_gen_toks={opts.max_gen_toks} must be at least 1")
+    if opts.prefix_cache_mb < 0:
+        raise OptionError(f"prefix_cache_mb={opts.prefix_cache_mb} must be >= 0 (0 turns prefix reuse off)")
     if opts.max_batch_size < 1:
         raise OptionError(f"max_batch_size={opts.max_batch_size} must be at least 1")
     if opts.weights is not None:

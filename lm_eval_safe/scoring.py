@@ -25,6 +25,8 @@ from typing import Any
 import torch
 
 from lm_eval_safe.members import Member
+from lm_eval_safe.prefix_cache import new_cache
+from lm_eval_safe.small_rows import small_row_linears
 from lm_eval_safe.vocabulary import is_char_boundary
 
 logger = logging.getLogger(__name__)
@@ -166,46 +168,99 @@ def _select_cache(cache: Any, rows: torch.Tensor) -> Any:
     )
 
 
+def _left_padded(ids: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``ids`` right-aligned in one tensor, and the mask of their real tokens."""
+    width = max(len(row) for row in ids)
+    padded = torch.full((len(ids), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for b, row in enumerate(ids):
+        padded[b, width - len(row) :] = torch.tensor(row)
+        mask[b, width - len(row) :] = 1
+    return padded, mask
+
+
+def _contexts_forward(
+    member: Member, contexts: list[list[int]], keep_cache: bool
+) -> tuple[torch.Tensor, Any]:
+    """Logits after each context's last token and (``keep_cache``) a left-padded cache of the
+    contexts' states, as one left-padded batched forward computes them.
+
+    When the member's prefix store holds a prefix of some context (few-shot exemplars scored
+    before), each context instead runs alone from its longest stored prefix and the states
+    are laid out left-padded afterwards. Either way each context's blocks go to the store."""
+    model, vocab = member.model, len(member.vocab)
+    device = member.input_device  # not model.device: under device_map the embeddings decide
+    store = member.prefix_store
+    keep_cache = keep_cache or store is not None
+    width = max(len(ctx) for ctx in contexts)
+    if store is not None and any(store.longest(ctx) for ctx in contexts):
+        caches, firsts = [], []
+        for ctx in contexts:
+            reused, cache = store.lookup(ctx)
+            logits = model(
+                input_ids=torch.tensor([ctx[reused:]], device=device),
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits
+            firsts.append(logits[0, -1, :vocab].float())
+            store.add(ctx, cache)
+            caches.append(cache)
+        states = []
+        for layers in zip(*(c.layers for c in caches), strict=True):
+            if not getattr(layers[0], "is_initialized", False):
+                states.append((None, None))
+                continue
+            laid_out = []
+            for name in ("keys", "values"):
+                parts = [getattr(layer, name) for layer in layers]
+                out = parts[0].new_zeros((len(parts), *parts[0].shape[1:2], width, parts[0].shape[3]))
+                for b, part in enumerate(parts):
+                    out[b, :, width - part.shape[2] :] = part[0]
+                laid_out.append(out)
+            states.append((laid_out[0], laid_out[1]))
+        return torch.stack(firsts), new_cache(states)
+    ids, mask = _left_padded(contexts, member.tokenizer.pad_token_id or 0)
+    extra: dict[str, torch.Tensor] = {}
+    if any(len(ctx) != width for ctx in contexts):  # positions count real tokens, pads masked
+        extra = {
+            "attention_mask": mask.to(device),
+            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0).to(device),
+        }
+    cache = new_cache() if keep_cache else None
+    logits = model(
+        input_ids=ids.to(device), cache=cache, use_cache=keep_cache, logits_to_keep=1, **extra
+    ).logits
+    if store is not None:
+        for b, ctx in enumerate(contexts):
+            store.looked_up_tokens += len(ctx)
+            store.add(ctx, cache, row=b, offset=width - len(ctx))
+    return logits[:, -1, :vocab].float(), cache
+
+
 @torch.inference_mode()
 def _score_batch(
     member: Member, batch: list[_Group], out: list[tuple[list[float], list[bool]] | None]
 ) -> None:
     """Two forward calls per batch: the contexts (left-padded, logits at the last position only),
     then every choice's tokens after its context's cached keys/values."""
-    from transformers import DynamicCache
-
     model, vocab = member.model, len(member.vocab)
     device = member.input_device  # not model.device: under device_map the embeddings decide
     pad = member.tokenizer.pad_token_id or 0
     lengths = [len(g.ctx) for g in batch]
-    width = max(lengths)
-    ids = torch.full((len(batch), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for b, group in enumerate(batch):
-        ids[b, width - lengths[b] :] = torch.tensor(group.ctx)
-        mask[b, width - lengths[b] :] = 1
-    padded = min(lengths) != width
-    extra: dict[str, torch.Tensor] = {}
-    if padded:  # left padding: positions count real tokens only, pads are masked
-        extra = {
-            "attention_mask": mask.to(device),
-            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0).to(device),
-        }
+    _, mask = _left_padded([g.ctx for g in batch], pad)
+    padded = min(lengths) != max(lengths)
     rows = [
         (b, index, cont) for b, g in enumerate(batch) for index, cont in g.items if len(cont) > 1
     ]
-    cache = DynamicCache() if rows else None
-    logits = model(
-        input_ids=ids.to(device), cache=cache, use_cache=bool(rows), logits_to_keep=1, **extra
-    ).logits
-    first_logits = logits[:, -1, :vocab].float()
+    first_logits, cache = _contexts_forward(member, [g.ctx for g in batch], bool(rows))
     lse = torch.logsumexp(first_logits, dim=-1)
     top = first_logits.argmax(dim=-1)
     for b, group in enumerate(batch):
         for index, cont in group.items:
             lp = float(first_logits[b, cont[0]] - lse[b])
             out[index] = ([lp], [int(top[b]) == cont[0]])
-    del logits, first_logits
+    del first_logits
     if not rows:
         return
     # one row per multi-token choice; right padding at the end is never attended by real tokens
@@ -280,7 +335,7 @@ def score_members(
     from tqdm import tqdm
 
     results = []
-    with tqdm(
+    with small_row_linears(members), tqdm(
         total=sum(len(p) for p in all_pairs), disable=disable_tqdm, desc=f"Running {kind} requests"
     ) as bar:
         for member, pairs in zip(members, all_pairs, strict=True):

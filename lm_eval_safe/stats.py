@@ -18,6 +18,8 @@ class GenerationStats:
     )
     sharpened_ops: int = 0
     misaligned_ensembles: int = 0  # every/threshold baselines: ensembles at OOV-like positions
+    prefill_tokens: int = 0  # prompt tokens of every member (generation and scoring contexts)
+    prefill_tokens_saved: int = 0  # of those, states taken from the shared-prefix store
     wall_seconds: float = 0.0
 
     def add(self, other: GenerationStats) -> None:

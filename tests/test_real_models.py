@@ -165,3 +165,27 @@ def test_smollm2_rolling_and_batched_equal_lm_eval_hf(smollm, pair) -> None:
     finally:
         pair.options.batch_size = 1
     assert [a for a, _ in four] == pytest.approx([a for a, _ in one], abs=1e-3)
+
+
+def test_prefix_reuse_keeps_bbh_texts(models: Path, shared_dir: Path) -> None:
+    """Real members, BBH 3-shot prompts (one shared exemplar block of ~1k tokens): the texts
+    with shared-prefix reuse equal those with every prompt prefilled from scratch (float32),
+    and the exemplars were prefilled once per member."""
+    from lm_eval_safe.model import SafeEnsembleLM
+
+    bbh = shared_dir / "data" / "bbh"
+    exemplars = (bbh / "cot-prompts" / "date_understanding.txt").read_text().split("-----\n", 1)[-1]
+    docs = json.loads((bbh / "tasks" / "date_understanding.json").read_text())["examples"][:3]
+    requests = [
+        gen_request(f"{exemplars.strip()}\n\nQ: {d['input']}\nA: Let's think step by step.\n", until=["Q:", "\n\n"], max_gen_toks=40)
+        for d in docs
+    ]
+    texts = {}
+    for budget in (0, 256):
+        lm = SafeEnsembleLM(members="gemma3-270m,smollm2-135m", device="cpu", batch_size=3, prefix_cache_mb=budget)
+        texts[budget] = lm.generate_until(requests, disable_tqdm=True)
+        if budget:
+            stats = lm.run_stats
+            assert stats.prefill_tokens_saved > 0.6 * stats.prefill_tokens, stats
+    assert texts[256] == texts[0]
+    assert all(t.strip() for t in texts[0])

@@ -1,0 +1,162 @@
+"""Shared-prefix KV reuse across requests: one member's states of recently prefilled prompts.
+
+Few-shot tasks repeat the same exemplars in every request (every BBH subtask, lm-eval's
+``--num_fewshot``, a chat system prompt): thousands of tokens that each member would prefill
+again for every question. A :class:`PrefixStore` keeps the keys and values of prompts a member
+has prefilled, in blocks of :data:`BLOCK` token ids chained like a trie (a block is keyed by
+its ids *and* the block before it), so the exemplars shared by many prompts are stored once and
+a new prompt starts from the longest run of whole blocks it shares with any earlier one.
+
+Each member keys by its own token ids: a prefix shared in text but tokenized differently at
+the seam simply matches up to the last block the ids agree on. The states of a token depend
+only on the tokens before it, so a reused prefix gives the same states as prefilling it again
+(up to float rounding of a differently shaped product); outputs do not depend on what the store
+holds. The store is bounded by a byte budget: least recently used blocks are evicted first,
+always a block no other stored block continues, so every stored chain stays whole.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 16
+States = list[tuple[torch.Tensor, torch.Tensor] | None]  # per layer; None: a layer with no cache
+
+
+def new_cache(states: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None) -> Any:
+    """A transformers ``DynamicCache`` without a config: every layer keeps its full states, so
+    sliding-window models can be cropped and extended anywhere (the mask applies the window)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(ddp_cache_data=states) if states else DynamicCache()
+
+
+@dataclass(eq=False)
+class _Block:
+    serial: int
+    parent: _Block | None
+    ids: tuple[int, ...]
+    states: States
+    nbytes: int
+    children: int = 0
+    used: int = 0
+
+
+@dataclass
+class PrefixStore:
+    """Keys and values of prompt prefixes one member has prefilled, bounded by ``budget`` bytes."""
+
+    budget: int
+    block: int = BLOCK
+    bytes: int = 0
+    looked_up_tokens: int = 0  # prompt tokens of every lookup
+    reused_tokens: int = 0  # of those, tokens whose states came from the store
+    _blocks: dict[tuple[int, tuple[int, ...]], _Block] = field(default_factory=dict, repr=False)
+    _clock: Any = field(default_factory=itertools.count, repr=False)
+    _serials: Any = field(default_factory=lambda: itertools.count(1), repr=False)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def _chain(self, ids: list[int], limit: int) -> list[_Block]:
+        """Stored blocks that spell ``ids`` from the start, covering at most ``limit`` tokens."""
+        chain: list[_Block] = []
+        parent = 0
+        for start in range(0, limit - self.block + 1, self.block):
+            found = self._blocks.get((parent, tuple(ids[start : start + self.block])))
+            if found is None:
+                break
+            chain.append(found)
+            parent = found.serial
+        return chain
+
+    def _touch(self, chain: list[_Block]) -> None:
+        now = next(self._clock)
+        for stored in chain:
+            stored.used = now
+
+    def longest(self, ids: list[int], limit: int | None = None) -> int:
+        """Length of the prefix :meth:`lookup` would reuse (nothing is counted or touched)."""
+        limit = len(ids) - 1 if limit is None else min(limit, len(ids))
+        return len(self._chain(ids, limit)) * self.block
+
+    def lookup(self, ids: list[int], limit: int | None = None) -> tuple[int, Any]:
+        """``(n, cache)``: a new cache holding the states of the longest stored prefix of ``ids``
+        that is at most ``limit`` tokens long (default: all but the last token, which must be
+        fed to get its next-token distribution), and its length ``n`` (0: an empty cache)."""
+        limit = len(ids) - 1 if limit is None else min(limit, len(ids))
+        self.looked_up_tokens += len(ids)
+        chain = self._chain(ids, limit)
+        if not chain:
+            return 0, new_cache()
+        self._touch(chain)
+        layers = zip(*(stored.states for stored in chain), strict=True)
+        states = [
+            (None, None)
+            if parts[0] is None
+            else (
+                torch.cat([p[0] for p in parts], dim=2),  # type: ignore[index]
+                torch.cat([p[1] for p in parts], dim=2),  # type: ignore[index]
+            )
+            for parts in layers
+        ]
+        reused = len(chain) * self.block
+        self.reused_tokens += reused
+        return reused, new_cache(states)
+
+    def add(self, ids: list[int], cache: Any, row: int = 0, offset: int = 0) -> None:
+        """Store the whole blocks of ``ids``, whose states sit in batch row ``row`` of ``cache``
+        at slots ``offset .. offset + len(ids) - 1`` (copies: the cache may change later)."""
+        if self.budget <= 0:
+            return
+        layers = list(cache.layers)
+        parent: _Block | None = None
+        chain = []
+        for start in range(0, len(ids) - self.block + 1, self.block):
+            key = (parent.serial if parent else 0, tuple(ids[start : start + self.block]))
+            stored = self._blocks.get(key)
+            if stored is None:
+                begin, end = offset + start, offset + start + self.block
+                states: States = [
+                    (
+                        layer.keys[row : row + 1, :, begin:end].clone(),
+                        layer.values[row : row + 1, :, begin:end].clone(),
+                    )
+                    if getattr(layer, "is_initialized", False)
+                    else None
+                    for layer in layers
+                ]
+                nbytes = sum(
+                    k.numel() * k.element_size() + v.numel() * v.element_size()
+                    for k, v in (s for s in states if s is not None)
+                )
+                stored = _Block(next(self._serials), parent, key[1], states, nbytes)
+                self._blocks[key] = stored
+                self.bytes += nbytes
+                if parent is not None:
+                    parent.children += 1
+            chain.append(stored)
+            parent = stored
+        self._touch(chain)
+        self._evict()
+
+    def _evict(self) -> None:
+        """Drop least recently used leaf blocks until the store fits its budget."""
+        while self.bytes > self.budget and self._blocks:
+            leaves = sorted(
+                (b for b in self._blocks.values() if b.children == 0), key=lambda b: b.used
+            )
+            for leaf in leaves:
+                if self.bytes <= self.budget:
+                    return
+                del self._blocks[(leaf.parent.serial if leaf.parent else 0, leaf.ids)]
+                self.bytes -= leaf.nbytes
+                if leaf.parent is not None:
+                    leaf.parent.children -= 1
