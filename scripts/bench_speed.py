@@ -40,6 +40,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import dataclasses
 import io
@@ -71,6 +72,7 @@ from lm_eval_safe.aggregate import UnionVocabulary  # noqa: E402
 from lm_eval_safe.decoding import SafeDecoder, VerifierRun, valid_utf8_prefix  # noqa: E402
 from lm_eval_safe.members import Member, load_member  # noqa: E402
 from lm_eval_safe.options import parse_options, resolve_drafter_index  # noqa: E402
+from lm_eval_safe.small_rows import small_row_linears  # noqa: E402
 
 PROMPT_TEMPLATE = (
     "{question} Please reason step by step, and put your final answer within \\boxed{{}}."
@@ -87,6 +89,8 @@ METHODS: dict[str, dict[str, Any] | None] = {
     "every_nocache": {"schedule": "every", "aggregator": "unite", "verifier_cache": False},
     "threshold": {"schedule": "threshold", "aggregator": "gac"},
     "safe_nocache": {"schedule": "safe", "aggregator": "unite", "verifier_cache": False},
+    "safe_gac_auto": {"schedule": "safe", "aggregator": "gac", "draft_len": "auto"},
+    "safe_unite_auto": {"schedule": "safe", "aggregator": "unite", "draft_len": "auto"},
     "floor": None,
 }
 
@@ -100,6 +104,17 @@ PROJECT_RATIOS = [
     ("safe_unite", "safe_nocache"),
     ("drafter", "hf_generate"),
     ("floor", "hf_generate"),
+    # the same against this project's own single-member path (same speed-ups as the ensemble)
+    ("safe_gac", "drafter"),
+    ("safe_unite", "drafter"),
+    ("safe_gac_auto", "drafter"),
+    ("safe_unite_auto", "drafter"),
+    ("safe_gac", "hf_generate"),
+    ("safe_gac_auto", "hf_generate"),
+    ("safe_unite_auto", "hf_generate"),
+    ("safe_gac", "every"),
+    ("safe_unite_auto", "every"),
+    ("safe_gac_auto", "every"),
 ]
 
 
@@ -151,19 +166,22 @@ def sync_device(members: list[Member]) -> None:
         torch.cuda.synchronize()
 
 
-def load_prompts(data_dir: Path, dataset: str, n: int) -> list[str]:
+def load_prompts(data_dir: Path, dataset: str, n: int, shots: int = 0) -> list[str]:
+    """``n`` prompts; with ``shots``, each starts with that many solved problems (the last ones
+    of the file, never among the prompts) as ``Question: ...\nAnswer: ...`` blocks, as few-shot
+    tasks do: bare prompts make instruct members stop at once and flatter every ratio."""
     path = data_dir / dataset / "test.jsonl"
     if not path.is_file():
         raise SystemExit(f"no data file {path}; pass --data-dir (folder holding {dataset}/)")
     key = DATASET_FIELDS[dataset]
-    prompts = []
-    with path.open(encoding="utf-8") as handle:
-        for line in handle:
-            if line.strip():
-                prompts.append(PROMPT_TEMPLATE.format(question=json.loads(line)[key]))
-            if len(prompts) >= n:
-                break
-    return prompts
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not shots:
+        return [PROMPT_TEMPLATE.format(question=row[key]) for row in rows[:n]]
+    answer = "answer" if dataset == "gsm8k" else "solution"
+    exemplars = "".join(
+        f"Question: {row[key]}\nAnswer: {row[answer]}\n\n" for row in rows[len(rows) - shots :]
+    )
+    return [f"{exemplars}Question: {row[key]}\nAnswer:" for row in rows[:n]]
 
 
 class _NoEosModel:
@@ -266,19 +284,22 @@ def run_method(
     if method in ("hf_generate", "floor"):
         decoder = decoders["_base"]
         drafter = decoder.drafter
-        start = time.perf_counter()
-        ids = hf_generate(
-            drafter, decoder.prompt_ids(drafter, context, max_new_tokens), max_new_tokens
-        )
-        sync_device(members)
-        gen_end = time.perf_counter()
-        run.tokens = len(ids)
-        run.text = drafter.tokenizer.decode(ids, skip_special_tokens=True)
-        if method == "floor":
-            run.verifier_positions = verify_floor(decoder, context, ids, max_new_tokens)
+        # hf_generate is transformers as users run it; the floor gets the speed-ups SAFE has
+        speedups = small_row_linears(members) if method == "floor" else contextlib.nullcontext()
+        with speedups:
+            start = time.perf_counter()
+            ids = hf_generate(
+                drafter, decoder.prompt_ids(drafter, context, max_new_tokens), max_new_tokens
+            )
             sync_device(members)
-            run.generate_seconds = gen_end - start
-        run.seconds = time.perf_counter() - start
+            gen_end = time.perf_counter()
+            run.tokens = len(ids)
+            run.text = drafter.tokenizer.decode(ids, skip_special_tokens=True)
+            if method == "floor":
+                run.verifier_positions = verify_floor(decoder, context, ids, max_new_tokens)
+                sync_device(members)
+                run.generate_seconds = gen_end - start
+            run.seconds = time.perf_counter() - start
     else:
         start = time.perf_counter()
         text, stats = decoders[method].generate(context, [], max_new_tokens)
@@ -407,7 +428,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"### bench_speed: {cfg['members']} (drafter {cfg['drafter']}), {cfg['dataset']}, "
         f"{cfg['prompts']} prompt(s) x {cfg['repeats']} repeat(s), max_new_tokens="
         f"{cfg['max_new_tokens']}, draft_len={cfg['draft_len']}, device={cfg['device']}, "
-        f"torch threads={cfg['torch_threads']}"
+        f"torch threads={cfg['torch_threads']}, shots={cfg.get('shots', 0)}, "
+        f"fast_small_linear={cfg.get('fast_small_linear', 'off')}"
         + (", EOS masked (--ignore-eos)" if cfg["ignore_eos"] else ""),
         "",
         "| method | tokens | s | tok/s | t/token vs hf (median) | (total) | E/T % | acceptance "
@@ -478,6 +500,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--draft-len", type=int, default=5)
+    p.add_argument("--shots", type=int, default=0, help="solved problems before each prompt")
+    p.add_argument(
+        "--fast-small-linear", default="auto", choices=("auto", "on", "off"), help="model arg of the same name"
+    )
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=0,
+        help="shared-prefix store per member (default off: every method would reuse the prompt "
+        "the method before it prefilled; scripts/bench_eval.py measures reuse across requests)",
+    )
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
@@ -512,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     specs = [s.strip() for s in args.members.split(",") if s.strip()]
     drafter_index = resolve_drafter_index(args.drafter, specs)
-    prompts = load_prompts(args.data_dir, args.dataset, args.prompts)
+    prompts = load_prompts(args.data_dir, args.dataset, args.prompts, args.shots)
     base = {
         "members": specs,
         "drafter": str(drafter_index),
@@ -522,7 +555,14 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     members = [
-        load_member(spec, index=i, device=args.device, dtype=args.dtype)
+        load_member(
+            spec,
+            index=i,
+            device=args.device,
+            dtype=args.dtype,
+            fast_small_linear=args.fast_small_linear,
+            prefix_cache_mb=args.prefix_cache_mb,
+        )
         for i, spec in enumerate(specs)
     ]
     load_seconds = time.perf_counter() - start
@@ -571,6 +611,9 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": args.repeats,
             "max_new_tokens": args.max_new_tokens,
             "draft_len": args.draft_len,
+            "shots": args.shots,
+            "fast_small_linear": args.fast_small_linear,
+            "prefix_cache_mb": args.prefix_cache_mb,
             "methods": args.method_list,
             "device": str(members[0].device),
             "dtype": str(members[0].dtype).replace("torch.", ""),
