@@ -292,8 +292,11 @@ class SafeDecoder:
         Rows advance in lock-step SAFE cycles: every row drafts (one batched drafter forward per
         step), then each verifier serves the rows that need it in one batched forward, then each
         row accepts or rolls back on its own. A finished row is replaced by the next job at the
-        cycle's end (continuous refill). Jobs start longest first, as lm-eval's Collator orders
-        them, so rows finish at similar times; results come back in the original order.
+        cycle's end (continuous refill). With a prefix store, jobs run in the order of their
+        contexts' text, so requests sharing exemplars run one after another and the store needs
+        to hold only the current group's prefix (lm-eval hands requests over sorted by length,
+        which interleaves the subtasks of a group); without one, longest first, as lm-eval's
+        Collator orders them. Results come back in the original order either way.
         """
         members = [self.drafter, *self.verifiers]
         with small_row_linears(members):
@@ -307,7 +310,10 @@ class SafeDecoder:
         on_done: Callable[[int, tuple[str, GenerationStats]], None] | None,
     ) -> list[tuple[str, GenerationStats]]:
         batches = [MemberBatch(m) for m in members]
-        order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][0]))
+        if self.drafter.prefix_store is not None:
+            order = sorted(range(len(jobs)), key=lambda i: jobs[i][0])
+        else:
+            order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][0]))
         queue = deque(order)
         results: list[Any] = [None] * len(jobs)
         rows: list[_Row] = []

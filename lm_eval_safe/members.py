@@ -428,7 +428,7 @@ def load_member(
     add_bos_token: bool | None = None,
     device_map: str | None = None,
     fast_small_linear: str = "auto",
-    prefix_cache_mb: float = 1024,
+    prefix_cache_mb: float = 256,
 ) -> Member:
     """Load one member onto ``device`` (checked: a device this machine lacks is an error), or
     with ``device_map="auto"`` spread by accelerate over the GPUs (``device`` then only picks

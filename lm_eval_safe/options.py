@@ -122,7 +122,7 @@ class SafeOptions:
     verifier_cache: bool = True
     add_bos_token: bool | None = None
     fast_small_linear: str = "auto"
-    prefix_cache_mb: float = 1024.0
+    prefix_cache_mb: float = 256.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def public_dict(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ always a block no other stored block continues, so every stored chain stays whol
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -148,15 +149,19 @@ class PrefixStore:
         self._evict()
 
     def _evict(self) -> None:
-        """Drop least recently used leaf blocks until the store fits its budget."""
-        while self.bytes > self.budget and self._blocks:
-            leaves = sorted(
-                (b for b in self._blocks.values() if b.children == 0), key=lambda b: b.used
-            )
-            for leaf in leaves:
-                if self.bytes <= self.budget:
-                    return
-                del self._blocks[(leaf.parent.serial if leaf.parent else 0, leaf.ids)]
-                self.bytes -= leaf.nbytes
-                if leaf.parent is not None:
-                    leaf.parent.children -= 1
+        """Drop least recently used blocks until the store fits its budget. Only a block that no
+        other block continues (a leaf) goes; a parent whose last child went becomes a leaf and
+        competes by its own last use (never older than its children's)."""
+        if self.bytes <= self.budget:
+            return
+        leaves = [(b.used, b.serial, b) for b in self._blocks.values() if b.children == 0]
+        heapq.heapify(leaves)
+        while self.bytes > self.budget and leaves:
+            _, _, leaf = heapq.heappop(leaves)
+            parent = leaf.parent
+            del self._blocks[(parent.serial if parent else 0, leaf.ids)]
+            self.bytes -= leaf.nbytes
+            if parent is not None:
+                parent.children -= 1
+                if parent.children == 0:
+                    heapq.heappush(leaves, (parent.used, parent.serial, parent))

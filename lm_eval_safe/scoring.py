@@ -120,17 +120,23 @@ def _group_pairs(member: Member, pairs: Sequence[tuple[list[int], list[int]]]) -
 
 
 def _batches(
-    groups: list[_Group], batch_size: int | str, max_batch_size: int
+    groups: list[_Group], batch_size: int | str, max_batch_size: int, by_prefix: bool = False
 ) -> list[list[_Group]]:
-    """Longest first (as lm-eval's Collator: padding stays small, out-of-memory shows at once);
+    """Longest first (as lm-eval's Collator: padding stays small, out-of-memory shows at once),
+    or with ``by_prefix`` (a prefix store) in the order of the context ids, so contexts sharing
+    exemplars are scored one after another and the store needs to hold only their prefix;
     ``batch_size`` contexts per batch, or for ``auto`` as many as fit the token budget."""
-    ordered = sorted(groups, key=lambda g: (-g.length, g.ctx))
+    if by_prefix:
+        ordered = sorted(groups, key=lambda g: g.ctx)
+    else:
+        ordered = sorted(groups, key=lambda g: (-g.length, g.ctx))
     out: list[list[_Group]] = []
     for group in ordered:
         if out:
             batch = out[-1]
             if batch_size == "auto":
-                fits = (len(batch) + 1) * batch[0].length <= AUTO_BATCH_TOKENS
+                longest = max(group.length, *(g.length for g in batch))
+                fits = (len(batch) + 1) * longest <= AUTO_BATCH_TOKENS
                 fits = fits and len(batch) < max_batch_size
             else:
                 fits = len(batch) < max(1, int(batch_size))
@@ -314,7 +320,7 @@ def score_tokens(
     the member's window, before anything runs."""
     groups = _group_pairs(member, pairs)
     out: list[tuple[list[float], list[bool]] | None] = [None] * len(pairs)
-    for batch in _batches(groups, batch_size, max_batch_size):
+    for batch in _batches(groups, batch_size, max_batch_size, member.prefix_store is not None):
         _score_batch(member, batch, out)
         if progress is not None:
             progress(sum(len(g.items) for g in batch))

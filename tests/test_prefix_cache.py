@@ -243,3 +243,58 @@ def test_scored_contexts_store_their_own_states(
             for mine, theirs in zip(cache.layers, fresh.layers, strict=True):
                 assert torch.allclose(mine.keys, theirs.keys, atol=1e-10)
                 assert torch.allclose(mine.values, theirs.values, atol=1e-10)
+
+
+def test_requests_sharing_exemplars_run_together(tiny_bpe_dir: Path, tiny_sp_dir: Path) -> None:
+    """Two exemplar families interleaved (as lm-eval's length order interleaves subtasks) and a
+    store that holds about one family's prompt: requests run grouped by prefix, so every request
+    after the first of its family still starts from the stored exemplars."""
+    families = [few_shot_prompts(3, seed=s) for s in (21, 22)]
+    prompts = [p for pair in zip(*families, strict=True) for p in pair]
+    requests = [gen_request(p, until=[], max_gen_toks=6) for p in prompts]
+    one_prompt = [0, 0]  # per member: bytes of the larger family's prompt
+    for family in families:
+        probe = make_lm(tiny_bpe_dir, tiny_sp_dir, dtype="float64")
+        probe.generate_until([gen_request(family[0], until=[], max_gen_toks=1)], disable_tqdm=True)
+        one_prompt = [max(n, m.prefix_store.bytes) for n, m in zip(one_prompt, probe.members, strict=True)]
+    shared = []  # per member: the fewest ids two prompts of one family share
+    for member in probe.members:
+        common = []
+        for family in families:
+            ids = [member.encode(p) for p in family]
+            for i, a in enumerate(ids):
+                for b in ids[i + 1 :]:
+                    common.append(next(k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y))
+        shared.append(min(common))
+    lm = make_lm(tiny_bpe_dir, tiny_sp_dir, dtype="float64")
+    for member, size in zip(lm.members, one_prompt, strict=True):
+        member.prefix_store.budget = int(1.4 * size)
+    texts = lm.generate_until(requests, disable_tqdm=True)
+    assert texts == make_lm(tiny_bpe_dir, tiny_sp_dir, dtype="float64", prefix_cache_mb=0).generate_until(
+        requests, disable_tqdm=True
+    )
+    for member, common in zip(lm.members, shared, strict=True):
+        # four requests (two per family) start from all whole blocks of their family's exemplars
+        block = member.prefix_store.block
+        assert member.prefix_store.reused_tokens >= 4 * (common // block * block)
+
+
+def test_eviction_drops_least_recently_used_first() -> None:
+    """A budget of 10 blocks and random sequences from a few stems: after every add the store
+    fits its budget, the sequence just added is whole (it fits alone, and everything else was
+    used before it), and so is the one looked up just before it when both fit together."""
+    rng = random.Random(1)
+    block_bytes = 2 * 2 * 3 * 4 * 4  # layers x (keys, values) x 3 floats x 4 ids x 4 bytes
+    store = PrefixStore(budget=10 * block_bytes, block=4)
+    stems = [[rng.randrange(50) for _ in range(16)] for _ in range(3)]
+    previous: list[int] | None = None
+    for _ in range(300):
+        ids = rng.choice(stems)[: rng.randint(4, 16)] + [rng.randrange(50) for _ in range(rng.randint(0, 12))]
+        ids = ids[:24]
+        store.lookup(ids)
+        store.add(ids, _fake_cache(ids))
+        assert store.bytes <= store.budget
+        assert store.longest(ids, len(ids)) == len(ids) // 4 * 4
+        if previous is not None and (len(previous) // 4 + len(ids) // 4) <= 10 and previous[:4] != ids[:4]:
+            assert store.longest(previous, len(previous)) == len(previous) // 4 * 4
+        previous = ids
