@@ -11,13 +11,16 @@ class GenerationStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     ensemble_ops: int = 0
+    ensemble_kept: int = 0  # ensemble points that kept the drafter's token (sampling: accepted)
+    ensemble_replaced: int = 0  # ... that replaced it (sampling: rejected and resampled)
     aligned_positions: int = 0
     cycles: int = 0
     verifier_positions: int = (
         0  # verifier tokens run through a forward pass (recomputation included)
     )
     sharpened_ops: int = 0
-    misaligned_ensembles: int = 0  # every/threshold baselines: ensembles at OOV-like positions
+    misaligned_ensembles: int = 0
+    sampled_requests: int = 0  # requests decoded by sampling (the rest are greedy)  # every/threshold baselines: ensembles at OOV-like positions
     wall_seconds: float = 0.0
 
     def add(self, other: GenerationStats) -> None:
@@ -34,6 +37,12 @@ class GenerationStats:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
     @property
+    def ensemble_keep_rate(self) -> float:
+        """Share of ensemble points that kept the drafted token (sampling: the acceptance
+        rate of speculative sampling's test)."""
+        return self.ensemble_kept / self.ensemble_ops if self.ensemble_ops else 0.0
+
+    @property
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
@@ -41,6 +50,7 @@ class GenerationStats:
         data: dict[str, float] = asdict(self)
         data["ensemble_rate_percent"] = round(self.ensemble_rate, 4)
         data["acceptance_rate"] = round(self.acceptance_rate, 4)
+        data["ensemble_keep_rate"] = round(self.ensemble_keep_rate, 4)
         data["tokens_per_second"] = round(self.tokens_per_second, 3)
         data["verifier_positions_per_token"] = (
             round(self.verifier_positions / self.generated_tokens, 4)
@@ -53,6 +63,7 @@ class GenerationStats:
     def line(self) -> str:
         return (
             f"tokens={self.generated_tokens} ensembles={self.ensemble_ops} "
+            f"(kept {self.ensemble_kept}) "
             f"E/T={self.ensemble_rate:.2f}% acceptance={self.acceptance_rate:.3f} "
             f"tok/s={self.tokens_per_second:.2f} verifier_positions={self.verifier_positions}"
         )
