@@ -235,6 +235,37 @@ def test_bad_gen_kwargs_are_one_line_errors_naming_the_key(kwargs: dict, key: st
     assert key in message and "\n" not in message
 
 
+def test_lm_eval_task_generation_kwargs_are_accepted() -> None:
+    """Every ``generation_kwargs`` block of lm-eval 0.4.13's own task configs parses, except a
+    value we cannot honour (code_x_glue's beam search, ``num_beams: 10``): real tasks are not
+    refused, and nothing is dropped silently."""
+    import lm_eval
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("", lambda loader, suffix, node: None)  # !function and co.
+    refused, checked = {}, 0
+    for path in sorted((Path(lm_eval.__file__).parent / "tasks").rglob("*")):
+        if not (path.suffix == ".yaml" or path.name.endswith("_yaml")) or not path.is_file():
+            continue
+        text = path.read_text(encoding="utf-8", errors="ignore")
+        if "generation_kwargs" not in text:
+            continue
+        config = yaml.load(text, Loader=Loader)
+        if not isinstance(config, dict) or not isinstance(config.get("generation_kwargs"), dict):
+            continue
+        checked += 1
+        try:
+            parse_gen_kwargs(config["generation_kwargs"], 256)
+        except OptionError as exc:
+            refused[path.parent.name + "/" + path.name] = str(exc)
+    assert checked > 300
+    assert list(refused) == ["code-text/_default_template_yaml"], refused
+    assert "num_beams=10" in refused["code-text/_default_template_yaml"]
+
+
 def test_requests_are_checked_before_the_first_forward(
     tiny_bpe_dir: Path, tiny_sp_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
