@@ -132,9 +132,10 @@ def brute_force_ensemble(
     return {s: p / total for s, p in mix.items()}
 
 
-def chi_square(counts: Counter, expected: dict[Any, float]) -> tuple[float, float]:
-    """Pearson's chi-square of observed counts against probabilities; outcomes with an expected
-    count below 5 are pooled. An outcome of probability zero must never be observed."""
+def chi_square(counts: Counter, expected: dict[Any, float]) -> tuple[float, float, int]:
+    """Pearson's chi-square of observed counts against probabilities (statistic, p, degrees of
+    freedom); outcomes with an expected count below 5 are pooled. An outcome of probability zero
+    must never be observed."""
     impossible = [k for k in counts if expected.get(k, 0.0) <= 0.0]
     assert not impossible, f"observed outcomes the distribution excludes: {impossible[:5]}"
     n = sum(counts.values())
@@ -151,7 +152,7 @@ def chi_square(counts: Counter, expected: dict[Any, float]) -> tuple[float, floa
         wanted.append(pooled_exp)
     scale = n / sum(wanted)  # rounding of the probabilities
     result = scipy_stats.chisquare(observed, [w * scale for w in wanted])
-    return float(result.statistic), float(result.pvalue)
+    return float(result.statistic), float(result.pvalue), len(observed) - 1
 
 
 # -- the parts: warping, the acceptance rule, generation kwargs ----------------------------------
@@ -188,7 +189,7 @@ def test_keep_or_resample_is_distributed_as_the_target() -> None:
     for _ in range(20_000):
         drafted = int(torch.multinomial(draft, 1, generator=gen))
         counts[keep_or_resample(target, draft, drafted, gen)] += 1
-    _, p = chi_square(counts, dict(enumerate(target.tolist())))
+    _, p, _ = chi_square(counts, dict(enumerate(target.tolist())))
     assert p > MIN_P
 
 
@@ -378,8 +379,10 @@ def test_first_string_is_distributed_as_the_ensemble(
     for _ in range(20_000):
         drafted = sampler.sample(views[0].logprobs)
         counts[lm.decoder._sample_choice(views, drafted, sampler).key] += 1
-    statistic, p = chi_square(counts, expected)
-    print(f"exactness gac/{sharpen}: chi2={statistic:.1f} over {len(expected)} strings, p={p:.3f}")
+    statistic, p, dof = chi_square(counts, expected)
+    print(
+        f"exactness gac/{sharpen}: chi2={statistic:.1f}, dof={dof} ({len(expected)} strings), p={p:.3f}"
+    )
     assert p > MIN_P
 
 
@@ -440,8 +443,8 @@ def test_decoder_loop_samples_the_ensemble_then_the_drafter_where_misaligned(
         for ending, p_second in endings.items():
             text = tok.decode((ids + list(ending))[:2], skip_special_tokens=True)
             expected[text] = expected.get(text, 0.0) + p_first * p_second
-    statistic, p = chi_square(Counter(texts), expected)
-    print(f"end to end: chi2={statistic:.1f} over {len(expected)} texts, p={p:.3f}")
+    statistic, p, dof = chi_square(Counter(texts), expected)
+    print(f"end to end: chi2={statistic:.1f}, dof={dof} ({len(expected)} texts), p={p:.3f}")
     assert p > MIN_P
 
 
@@ -482,7 +485,7 @@ def test_one_member_samples_like_transformers_generate(tiny_bpe_dir: Path) -> No
     for i in torch.nonzero(probs > 0).flatten().tolist():
         text = tok.decode([i], skip_special_tokens=True)
         expected[text] = expected.get(text, 0.0) + float(probs[i])
-    _, one_sample = chi_square(ours, expected)
+    _, one_sample, _ = chi_square(ours, expected)
     print(f"one member vs generate: p={two_sample.pvalue:.3f}, vs warpers p={one_sample:.3f}")
     assert len(big) >= 5 and len(expected) < 12, "top-k and top-p both cut this distribution"
     assert two_sample.pvalue > MIN_P and one_sample > MIN_P
