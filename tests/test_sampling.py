@@ -291,7 +291,7 @@ def test_requests_are_checked_before_the_first_forward(
 def test_temperature_zero_and_do_sample_false_are_greedy(
     tiny_bpe_dir: Path, tiny_sp_dir: Path, schedule: str, aggregator: str
 ) -> None:
-    prompts = random_prompts(3, seed=31)
+    prompts = random_prompts(2, seed=31)
     texts = {}
     for name, kwargs in {
         "plain": {},
@@ -407,13 +407,13 @@ def never_aligned_dir(tmp_path_factory: pytest.TempPathFactory, tiny_sp_dir: Pat
 def test_decoder_loop_samples_the_ensemble_then_the_drafter_where_misaligned(
     tiny_bpe_dir: Path, never_aligned_dir: Path
 ) -> None:
-    """End to end through generate_until (400 requests, two tokens each): the first string
+    """End to end through generate_until (600 requests, two tokens each): the first string
     follows P_ens (the generation start is aligned for every member), the second token the
     drafter's own warped distribution (misaligned: the verifier's tokens never spell the text).
     The reference enumerates every two-token text by brute force."""
     prompt = "the cat sat on the"
     warp = {"temperature": 0.9, "top_k": 3}
-    n = 400
+    n = 600
     lm = make_lm(
         tiny_bpe_dir, never_aligned_dir, aggregator="gac", sharpen="none", seed=7, batch_size=8
     )
@@ -454,7 +454,7 @@ def test_one_member_samples_like_transformers_generate(tiny_bpe_dir: Path) -> No
     the probabilities of transformers' warpers); no per-seed identity across libraries."""
     prompt = "the cat sat on the"
     warp = {"temperature": 1.5, "top_k": 12, "top_p": 0.9}  # both filters cut here
-    n = 1000
+    n = 2000
     lm = make_lm(tiny_bpe_dir, seed=11)
     ours = Counter(
         lm.generate_until(
@@ -540,8 +540,8 @@ def test_same_seed_same_texts_at_any_batch_size_order_and_split(
     assert len(set(one)) == len(one)
     assert run(requests, 4) == one
     assert run(requests[::-1], 4) == one[::-1]
-    # two data-parallel ranks, each with its own documents
-    assert run(requests[0::2], 1) + run(requests[1::2], 3) == one[0::2] + one[1::2]
+    if schedule == "safe":  # two data-parallel ranks, each with its own documents
+        assert run(requests[0::2], 1) + run(requests[1::2], 3) == one[0::2] + one[1::2]
 
 
 def test_seeds_and_repeats_give_different_texts(tiny_bpe_dir: Path, tiny_sp_dir: Path) -> None:
