@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,13 +110,18 @@ def _normalised_weights(views: list[View]) -> list[float]:
     return [v.weight / total for v in views]
 
 
+def _can_absorb(key: bytes, probability: float, lam: float) -> bool:
+    """Whether a drafter top-k string may take the mass of the strings extending it (§5)."""
+    return probability > lam and key.strip() != b"" and not key.startswith(b"\x00")
+
+
 def _sharpen(
     scores: dict[bytes, float], drafter_top: list[bytes], candidates: list[bytes], lam: float
 ) -> dict[bytes, float]:
     """Heuristic sharpening: a drafter top-k string absorbs the mass of candidates it prefixes."""
     sharpened = dict(scores)
     for s in drafter_top:
-        if s not in scores or scores[s] <= lam or s.strip() == b"" or s.startswith(b"\x00"):
+        if s not in scores or not _can_absorb(s, scores[s], lam):
             continue
         sharpened[s] = scores[s] + sum(
             scores.get(c, 0.0) for c in candidates if c != s and c.startswith(s)
@@ -128,27 +134,47 @@ def _top_keys(view: View, k: int) -> list[bytes]:
     return [view.vocab.keys[i] for i in top]
 
 
+def _gac_log_geometric(
+    views: list[View], weights: list[float], maps: list[torch.Tensor], size: int
+) -> torch.Tensor:
+    """Weighted log-mean of the members' probabilities over the union (-inf where one lacks it)."""
+    total = torch.zeros(size, dtype=torch.float64)
+    for view, weight, mapping in zip(views, weights, maps, strict=True):
+        probs = torch.zeros(size, dtype=torch.float64)
+        probs.scatter_add_(0, mapping, view.logprobs.double().exp())
+        total += weight * probs.log()  # -inf where the member lacks the string
+    return total
+
+
+def _gac_mixture(views: list[View], weights: list[float], union: UnionVocabulary) -> torch.Tensor:
+    """Weighted mean of the members' probabilities over the union vocabulary (GaC)."""
+    total = torch.zeros(len(union), dtype=torch.float64)
+    for view, weight, mapping in zip(views, weights, union.maps, strict=True):
+        total.scatter_add_(0, mapping, weight * view.logprobs.double().exp())
+    return total
+
+
+def _gac_candidate_ids(views: list[View], union: UnionVocabulary, top_k: int) -> list[int]:
+    """Union indices of every member's top-k strings: the strings sharpening looks at."""
+    candidate_ids: list[int] = []
+    for view, mapping in zip(views, union.maps, strict=True):
+        top = torch.topk(view.logprobs, min(top_k, view.logprobs.shape[-1])).indices
+        candidate_ids.extend(mapping[top].tolist())
+    return candidate_ids
+
+
 def gac(views: list[View], union: UnionVocabulary, sharpen: str, lam: float, top_k: int) -> Choice:
     """Average full distributions in the union vocabulary (GaC); geometric = weighted log-mean."""
     weights = _normalised_weights(views)
     if sharpen == "geometric":
-        total = torch.zeros(len(union), dtype=torch.float64)
-        for view, weight, mapping in zip(views, weights, union.maps, strict=True):
-            probs = torch.zeros(len(union), dtype=torch.float64)
-            probs.scatter_add_(0, mapping, view.logprobs.double().exp())
-            total += weight * probs.log()  # -inf where the member lacks the string
+        total = _gac_log_geometric(views, weights, union.maps, len(union))
         best = int(torch.argmax(total))
         return Choice(union.keys[best], math.exp(float(total[best])), False)
-    total = torch.zeros(len(union), dtype=torch.float64)
-    for view, weight, mapping in zip(views, weights, union.maps, strict=True):
-        total.scatter_add_(0, mapping, weight * view.logprobs.double().exp())
+    total = _gac_mixture(views, weights, union)
     best = int(torch.argmax(total))
     choice = Choice(union.keys[best], float(total[best]), False)
     if sharpen == "heuristic" and choice.probability < SHARPEN_THRESHOLD:
-        candidate_ids: list[int] = []
-        for view, mapping in zip(views, union.maps, strict=True):
-            top = torch.topk(view.logprobs, min(top_k, view.logprobs.shape[-1])).indices
-            candidate_ids.extend(mapping[top].tolist())
+        candidate_ids = _gac_candidate_ids(views, union, top_k)
         candidates = list(dict.fromkeys(union.keys[i] for i in candidate_ids))
         scores = {union.keys[i]: float(total[i]) for i in set(candidate_ids)}
         sharpened = _sharpen(scores, _top_keys(views[0], top_k), candidates, lam)
@@ -173,15 +199,21 @@ def _member_logit_for(view: View, key: bytes) -> float:
     return float(view.logprobs[token_id])
 
 
-def unite(views: list[View], sharpen: str, lam: float, top_k: int) -> Choice:
-    """UniTE: softmax of each member over the union of top-k strings, then average."""
-    weights = _normalised_weights(views)
+def _unite_table(views: list[View], top_k: int) -> tuple[list[bytes], torch.Tensor]:
+    """UniTE's candidate strings (union of each member's top-k) and each member's log-softmax
+    over exactly those strings (rows: members)."""
     union_keys = list(dict.fromkeys(k for view in views for k in _top_keys(view, top_k)))
     matrix = torch.tensor(
         [[_member_logit_for(view, key) for key in union_keys] for view in views],
         dtype=torch.float64,
     )
-    member_logq = torch.log_softmax(matrix, dim=-1)
+    return union_keys, torch.log_softmax(matrix, dim=-1)
+
+
+def unite(views: list[View], sharpen: str, lam: float, top_k: int) -> Choice:
+    """UniTE: softmax of each member over the union of top-k strings, then average."""
+    weights = _normalised_weights(views)
+    union_keys, member_logq = _unite_table(views, top_k)
     w = torch.tensor(weights, dtype=torch.float64).unsqueeze(1)
     if sharpen == "geometric":
         total = (w * member_logq).sum(0)
@@ -197,3 +229,96 @@ def unite(views: list[View], sharpen: str, lam: float, top_k: int) -> Choice:
         if sharpened[key] > choice.probability:
             choice = Choice(key, sharpened[key], True)
     return choice
+
+
+# -- the same aggregates as distributions, for sampling --------------------------------------
+
+
+@dataclass
+class StringDistribution:
+    """An aggregate as a distribution over strings: ``probs[i]`` is the probability of
+    ``keys[i]`` (normalised; all zero when the members share no string at all)."""
+
+    keys: Sequence[bytes]
+    probs: torch.Tensor  # float64
+    sharpened: bool = False
+
+
+def _normalised_log(total: torch.Tensor) -> torch.Tensor:
+    """``exp(total)`` normalised to sum 1 (a weighted geometric mean has less mass)."""
+    if not bool(torch.isfinite(total).any()):
+        return torch.zeros_like(total)
+    return torch.softmax(total, dim=-1)
+
+
+def _absorb(
+    probs: torch.Tensor, candidates: dict[bytes, int], drafter_top: list[bytes], lam: float
+) -> tuple[torch.Tensor, bool]:
+    """Heuristic sharpening as a distribution (the greedy :func:`_sharpen` only needs an argmax
+    and adds mass without taking it anywhere): every candidate string that extends an absorbing
+    string (a drafter top-k string with probability > ``lam``) *moves* its probability to the
+    shortest absorbing string it extends. Mass is conserved, so the result is normalised; for
+    the shortest absorbing strings it equals what :func:`_sharpen` scores them."""
+    absorbers = [
+        s
+        for s in dict.fromkeys(drafter_top)
+        if s in candidates and _can_absorb(s, float(probs[candidates[s]]), lam)
+    ]
+    moved = probs.clone()
+    changed = False
+    for key, index in candidates.items():
+        prefixes = [a for a in absorbers if a != key and key.startswith(a)]
+        if prefixes and float(probs[index]) > 0.0:
+            target = candidates[min(prefixes, key=len)]
+            moved[target] += probs[index]
+            moved[index] -= probs[index]
+            changed = True
+    return moved, changed
+
+
+def gac_distribution(
+    views: list[View], union: UnionVocabulary, sharpen: str, lam: float, top_k: int
+) -> StringDistribution:
+    """What :func:`gac` takes the argmax of, as a distribution over ``union.keys``: the weighted
+    mixture, its heuristic sharpening when the mixture's maximum is below 0.5, or the normalised
+    weighted geometric mean. Members with weight 0 take no part (``p ** 0 = 1``)."""
+    weights = _normalised_weights(views)
+    if sharpen == "geometric":
+        used = [i for i, w in enumerate(weights) if w > 0]
+        total = _gac_log_geometric(
+            [views[i] for i in used],
+            [weights[i] for i in used],
+            [union.maps[i] for i in used],
+            len(union),
+        )
+        return StringDistribution(union.keys, _normalised_log(total))
+    total = _gac_mixture(views, weights, union)
+    if sharpen == "heuristic" and float(total.max()) < SHARPEN_THRESHOLD:
+        candidate_ids = dict.fromkeys(_gac_candidate_ids(views, union, top_k))
+        candidates = {union.keys[i]: i for i in candidate_ids}
+        total, changed = _absorb(total, candidates, _top_keys(views[0], top_k), lam)
+        return StringDistribution(union.keys, total, changed)
+    return StringDistribution(union.keys, total)
+
+
+def unite_distribution(
+    views: list[View], sharpen: str, lam: float, top_k: int
+) -> StringDistribution:
+    """What :func:`unite` takes the argmax of, as a distribution over its candidate strings
+    (zero for every other string). A member with no finite log-probability on the candidates
+    (its sampling filter removed them all) takes no part."""
+    weights = torch.tensor(_normalised_weights(views), dtype=torch.float64)
+    union_keys, member_logq = _unite_table(views, top_k)
+    usable = torch.isfinite(member_logq).any(dim=1) & (weights > 0)
+    if not bool(usable.any()):
+        return StringDistribution(union_keys, torch.zeros(len(union_keys), dtype=torch.float64))
+    w = (weights[usable] / weights[usable].sum()).unsqueeze(1)
+    logq = member_logq[usable]
+    if sharpen == "geometric":
+        return StringDistribution(union_keys, _normalised_log((w * logq).sum(0)))
+    total = (w * logq.exp()).sum(0)
+    if sharpen == "heuristic" and float(total.max()) < SHARPEN_THRESHOLD:
+        candidates = {k: i for i, k in enumerate(union_keys)}
+        total, changed = _absorb(total, candidates, _top_keys(views[0], top_k), lam)
+        return StringDistribution(union_keys, total, changed)
+    return StringDistribution(union_keys, total)

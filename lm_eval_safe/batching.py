@@ -433,9 +433,7 @@ def kv_bytes_per_token(member: Member) -> int:
     return 2 * config.num_hidden_layers * heads * head_dim * element
 
 
-def generation_batch_size(
-    options: Any, members: list[Member], jobs: list[tuple[str, list[str], int]]
-) -> int:
+def generation_batch_size(options: Any, members: list[Member], jobs: list[Any]) -> int:
     """Rows decoded together: ``batch_size`` as given, or for ``auto`` as many as the free
     memory of the members' GPUs holds (KV caches of the longest job, half the free memory, at
     most ``max_batch_size``); on CPU, :data:`AUTO_CPU_ROWS`."""
@@ -448,7 +446,7 @@ def generation_batch_size(
         return min(AUTO_CPU_ROWS, options.max_batch_size)
     # tokens a row may hold: the longest prompt (counted as one token per 2 characters, more
     # than any tokenizer here makes) plus its generation
-    longest = max(len(context) // 2 + new for context, _, new in jobs)
+    longest = max(len(job[0]) // 2 + job[2] for job in jobs)  # (context, until, new tokens, ...)
     per_row = {d: 0 for d in devices}
     for member in members:
         tokens = min(longest, member.max_length)

@@ -15,14 +15,24 @@ import time
 from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any
+from functools import cached_property
+from typing import Any, NamedTuple
 
 import torch
 
-from lm_eval_safe.aggregate import Choice, UnionVocabulary, View, gac, unite
+from lm_eval_safe.aggregate import (
+    Choice,
+    UnionVocabulary,
+    View,
+    gac,
+    gac_distribution,
+    unite,
+    unite_distribution,
+)
 from lm_eval_safe.batching import Forward, MemberBatch
 from lm_eval_safe.members import Member, cache_root
 from lm_eval_safe.options import SafeOptions
+from lm_eval_safe.sampling import RowSampler, SamplingParams
 from lm_eval_safe.small_rows import small_row_linears
 from lm_eval_safe.stats import GenerationStats
 from lm_eval_safe.vocabulary import EOS_KEY, is_char_boundary
@@ -73,17 +83,36 @@ def solo_batch(member: Member) -> MemberBatch:
     return batch
 
 
+class GenerationJob(NamedTuple):
+    """One request for :meth:`SafeDecoder.generate_many` (a plain 3-tuple is a greedy job)."""
+
+    context: str
+    until: list[str]
+    max_new_tokens: int
+    sampling: SamplingParams | None = None  # None, or greedy params: argmax decoding
+    seed: int = 0  # the request's own random stream (sampling only)
+
+
 class DrafterRun:
     """The drafter's decoding state for one request: tokens in its cache plus ids not yet fed.
 
     Drafted tokens after an ensemble point whose choice was the drafter's own token are kept
-    (``carried``) rather than drafted again: greedy decoding would reproduce them exactly from
-    the same cache, so the next cycle starts with them and drafts only the rest of its window.
+    (``carried``) rather than drafted again: they were drawn from the same cache and prefix
+    (greedy decoding would reproduce them exactly; a sample of them is as valid as a new one),
+    so the next cycle starts with them and drafts only the rest of its window. ``sampler``:
+    None picks the argmax, else tokens are drawn from the request's warped distribution.
     """
 
-    def __init__(self, member: Member, prompt_ids: list[int], slot: int = 0):
+    def __init__(
+        self,
+        member: Member,
+        prompt_ids: list[int],
+        slot: int = 0,
+        sampler: RowSampler | None = None,
+    ):
         self.member = member
         self.slot = slot
+        self.sampler = sampler
         self.prompt_len = len(prompt_ids)
         self.cached = 0
         self.pending = list(prompt_ids)
@@ -102,7 +131,7 @@ class DrafterRun:
             self.cached += len(fed)
             self.drafted += 1
             row = rows[0]
-            token = int(torch.argmax(row))
+            token = int(torch.argmax(row)) if self.sampler is None else self.sampler.sample(row)
             tokens.append(token)
             logprobs.append(row)
             self.pending = [token]
@@ -235,7 +264,8 @@ class EnsemblePoint:
 
 
 class SafeDecoder:
-    """Greedy generation with one drafter and any number of verifiers."""
+    """Generation with one drafter and any number of verifiers: greedy, or sampled (README
+    "Sampling": speculative sampling's rule over strings at the ensemble points)."""
 
     def __init__(self, members: list[Member], drafter_index: int, options: SafeOptions):
         self.options = options
@@ -277,17 +307,24 @@ class SafeDecoder:
 
     # -- requests ----------------------------------------------------------------------
     def generate(
-        self, context: str, until: list[str], max_new_tokens: int
+        self,
+        context: str,
+        until: list[str],
+        max_new_tokens: int,
+        sampling: SamplingParams | None = None,
+        seed: int = 0,
     ) -> tuple[str, GenerationStats]:
-        return self.generate_many([(context, until, max_new_tokens)], batch_size=1)[0]
+        job = GenerationJob(context, until, max_new_tokens, sampling, seed)
+        return self.generate_many([job], batch_size=1)[0]
 
     def generate_many(
         self,
-        jobs: list[tuple[str, list[str], int]],
+        jobs: list[GenerationJob] | list[tuple[str, list[str], int]],
         batch_size: int = 1,
         on_done: Callable[[int, tuple[str, GenerationStats]], None] | None = None,
     ) -> list[tuple[str, GenerationStats]]:
-        """Decode ``(context, until, max_new_tokens)`` jobs, ``batch_size`` rows at a time.
+        """Decode jobs (:class:`GenerationJob`, or ``(context, until, max_new_tokens)`` for greedy
+        ones), ``batch_size`` rows at a time.
 
         Rows advance in lock-step SAFE cycles: every row drafts (one batched drafter forward per
         step), then each verifier serves the rows that need it in one batched forward, then each
@@ -305,7 +342,7 @@ class SafeDecoder:
     def _generate_many(
         self,
         members: list[Member],
-        jobs: list[tuple[str, list[str], int]],
+        jobs: list[GenerationJob] | list[tuple[str, list[str], int]],
         batch_size: int,
         on_done: Callable[[int, tuple[str, GenerationStats]], None] | None,
     ) -> list[tuple[str, GenerationStats]]:
@@ -342,12 +379,28 @@ class SafeDecoder:
             rows = [rows[r] for r in alive]
         return results
 
-    def _decode(self, context: str, until: list[str], max_new_tokens: int) -> Steps:
-        """One request's SAFE loop (SAFE_SPEC §3): the same code at every batch size."""
+    def _decode(
+        self,
+        context: str,
+        until: list[str],
+        max_new_tokens: int,
+        sampling: SamplingParams | None = None,
+        seed: int = 0,
+    ) -> Steps:
+        """One request's SAFE loop (SAFE_SPEC §3): the same code at every batch size.
+
+        Sampled requests (README "Sampling") differ in three places: the drafter draws its
+        tokens, every aligned position is an ensemble point, and at each point speculative
+        sampling keeps or replaces the drafted string, in order, until the first replacement.
+        """
         start_time = time.perf_counter()
         stats = GenerationStats()
         drafter = self.drafter
-        run = DrafterRun(drafter, self.prompt_ids(drafter, context, max_new_tokens))
+        sampler = None if sampling is None or sampling.greedy else RowSampler(sampling, seed)
+        stats.sampled_requests = int(sampler is not None)
+        run = DrafterRun(
+            drafter, self.prompt_ids(drafter, context, max_new_tokens), sampler=sampler
+        )
         verifiers: list[VerifierRun] = []
         if self.schedule != "drafter":
             for slot, member in enumerate(self.verifiers, start=1):
@@ -370,11 +423,12 @@ class SafeDecoder:
             n = 1 if schedule == "every" else min(window.size, budget)
             tokens, logprobs = yield from run.draft(n)
             stats.cycles += 1
-            point = None
+            points: list[EnsemblePoint] = []
+            judged = len(tokens)
             if schedule != "drafter":
                 try:
-                    point = yield from self._find_point(
-                        schedule, verifiers, generated_bytes, tokens, logprobs, stats
+                    points, judged = yield from self._find_points(
+                        schedule, verifiers, generated_bytes, tokens, logprobs, stats, sampler
                     )
                 except WindowExhausted as exc:
                     logger.warning(
@@ -382,23 +436,28 @@ class SafeDecoder:
                         exc,
                     )
                     schedule = "drafter"
-            if point is None:
-                stats.accepted_tokens += len(tokens)
-            else:
+            for point in points:
                 j = point.position
-                choice = self._aggregate(point.views)
+                if sampler is None:
+                    choice = self._aggregate(point.views)
+                else:
+                    choice = self._sample_choice(point.views, tokens[j], sampler)
                 replacement = self._to_drafter_ids(choice, tokens[j])
                 stats.ensemble_ops += 1
                 stats.sharpened_ops += int(choice.sharpened)
-                if replacement == tokens[j : j + 1]:  # the drafter's own token: no rewind
-                    stats.accepted_tokens += j + 1
-                    run.carry(tokens[j + 1 :], logprobs[j + 1 :])
-                    tokens = tokens[: j + 1]
-                else:
+                if replacement != tokens[j : j + 1]:
+                    stats.ensemble_replaced += 1
                     stats.accepted_tokens += j
                     window.rejected = True
                     tokens = tokens[:j] + replacement
                     run.rewind(len(generated) + j, replacement)
+                    break
+                stats.ensemble_kept += 1  # the drafter's own token: no rewind
+            else:
+                # positions up to `judged` are settled; later ones wait for the next cycle
+                stats.accepted_tokens += judged
+                run.carry(tokens[judged:], logprobs[judged:])
+                tokens = tokens[:judged]
             window.update()
             eos_at = next((i for i, t in enumerate(tokens) if t in drafter.eos_ids), None)
             if eos_at is not None:
@@ -420,7 +479,7 @@ class SafeDecoder:
         return (text if stop is None else text[:stop]), stats
 
     # -- schedules -----------------------------------------------------------------------
-    def _find_point(
+    def _find_points(
         self,
         schedule: str,
         verifiers: list[VerifierRun],
@@ -428,72 +487,106 @@ class SafeDecoder:
         tokens: list[int],
         logprobs: list[torch.Tensor],
         stats: GenerationStats,
+        sampler: RowSampler | None = None,
     ) -> Steps:
-        """The first position to ensemble among the drafted ``tokens`` (an EnsemblePoint), or
-        None: the schedule's rule, with verifiers synced only when the rule needs them."""
+        """The positions to ensemble among the drafted ``tokens``, in order, and how many
+        drafted positions that settles: the schedule's rule, with verifiers synced only when the
+        rule needs them.
+
+        Greedy: the first point only; the positions after it are judged in a later cycle.
+        Sampled (``sampler``): every aligned position of ``safe``/``aligned``, since SAFE's
+        consensus skip holds for an argmax only (README "Sampling"); gates that read the
+        drafter's distribution alone (GaC's p < 0.5, ``threshold``) stay, they do not depend on
+        the token drawn.
+        """
         vocab = self.drafter.vocab
         if schedule == "every":
             views = yield from self._views_at_end(verifiers, committed, logprobs[0], stats)
-            return EnsemblePoint(0, views)
+            return [EnsemblePoint(0, views)], 1
         if schedule == "threshold":
             for j, row in enumerate(logprobs):
                 if float(row.max().exp()) < self.options.threshold:
                     prefix = committed + vocab.spell(tokens[:j])
                     views = yield from self._views_at_end(verifiers, prefix, row, stats)
-                    return EnsemblePoint(j, views)
-            return None
+                    return [EnsemblePoint(j, views)], j + 1
+            return [], len(tokens)
         # safe / aligned: drafter-side filters first, so a cycle with no candidate position
         # costs no verifier forward at all (the verifier caches catch up in a later cycle).
         full = committed + vocab.spell(tokens)
         gac_gate = schedule == "safe" and self.options.aggregator == "gac"
+        # Sampling: the start of the generation is a token boundary of every member whatever is
+        # drawn there (each tokenizes the prompt and the generated text apart), so it is not
+        # judged from the drafted token, and the first string is distributed exactly as P_ens.
+        start = sampler is not None and not committed
         candidates: list[tuple[int, int]] = []  # (drafted index, byte offset before it)
         offset = len(committed)
         for j, token in enumerate(tokens):
             here = offset
             offset += len(vocab.text_bytes[token])
-            is_eos = token in self.drafter.eos_ids
-            if (not is_eos and here == offset) or not is_char_boundary(full, here):
+            if gac_gate and float(logprobs[j].max().exp()) >= 0.5:
+                # GaC's own gate: a confident drafter is never ensembled (its largest
+                # probability: the drafted token's own when greedy; never the token drawn)
                 continue
-            if gac_gate and float(logprobs[j][token].exp()) >= 0.5:
-                continue  # GaC's own gate: a confident drafter is never ensembled
+            is_eos = token in self.drafter.eos_ids
+            if not (start and j == 0) and (
+                (not is_eos and here == offset) or not is_char_boundary(full, here)
+            ):
+                continue
             candidates.append((j, here))
         if not candidates:
-            return None
+            return [], len(tokens)
         text = valid_utf8_prefix(full)
         want = {here for _, here in candidates}
         synced = []
         for verifier in verifiers:
             ids, ends = yield from verifier.sync_steps(text, full, want)
-            if ends is None:
-                return None
+            if ends is None and not start:
+                return [], len(tokens)
             synced.append((verifier, ids, ends))
+        points: list[EnsemblePoint] = []
         for j, here in candidates:
             token = tokens[j]
-            is_eos = token in self.drafter.eos_ids
-            indices: list[tuple[int, int]] = []
-            for verifier, ids, ends in synced:
-                i = boundary_index(ends, here)
-                if i is None:
-                    break
-                own = ids[i] if i < len(ids) else (verifier.member.eos_id if is_eos else None)
-                if own is None or (is_eos and i < len(ids)):
-                    break
-                indices.append((i, own))
+            if start and j == 0:
+                indices: list[tuple[int, int | None]] | None = [(0, None)] * len(synced)
             else:
-                stats.aligned_positions += 1
-                views = [View(logprobs[j], vocab, self.drafter.tokenizer, self.weights[0])]
-                views += [
-                    View(verifier.pred[i], verifier.member.vocab, verifier.member.tokenizer, w)
-                    for (verifier, _, _), (i, _), w in zip(
-                        synced, indices, self.weights[1:], strict=True
-                    )
-                ]
-                if schedule == "safe" and self._consensus(
-                    views, token, [own for _, own in indices]
-                ):
-                    continue
-                return EnsemblePoint(j, views)
-        return None
+                indices = self._aligned_indices(synced, here, token)
+            if indices is None:
+                continue
+            stats.aligned_positions += 1
+            views = [View(logprobs[j], vocab, self.drafter.tokenizer, self.weights[0])]
+            views += [
+                View(verifier.pred[i], verifier.member.vocab, verifier.member.tokenizer, w)
+                for (verifier, _, _), (i, _), w in zip(
+                    synced, indices, self.weights[1:], strict=True
+                )
+            ]
+            if (
+                schedule == "safe"
+                and sampler is None
+                and self._consensus(views, token, [own for _, own in indices])
+            ):
+                continue
+            points.append(EnsemblePoint(j, views))
+            if sampler is None:
+                return points, j + 1
+        return points, len(tokens)
+
+    def _aligned_indices(
+        self, synced: list[tuple[VerifierRun, list[int], list[int] | None]], here: int, token: int
+    ) -> list[tuple[int, int | None]] | None:
+        """Each verifier's index predicting the token at byte ``here`` and its own next token
+        there, or None when ``here`` is not a boundary of every verifier's tokenization."""
+        is_eos = token in self.drafter.eos_ids
+        indices: list[tuple[int, int | None]] = []
+        for verifier, ids, ends in synced:
+            i = None if ends is None else boundary_index(ends, here)
+            if i is None:
+                return None
+            own = ids[i] if i < len(ids) else (verifier.member.eos_id if is_eos else None)
+            if own is None or (is_eos and i < len(ids)):
+                return None
+            indices.append((i, own))
+        return indices
 
     def _consensus(self, views: list[View], token: int, own_ids: list[int]) -> bool:
         """SAFE's skip rules: (a) every verifier's argmax is its own next token, or (b) the mean
@@ -536,6 +629,79 @@ class SafeDecoder:
         if o.aggregator == "gac":
             return gac(views, self.union, o.sharpen, o.sharpen_lambda, o.top_k)
         return unite(views, o.sharpen, o.sharpen_lambda, o.top_k)
+
+    def _sample_choice(self, views: list[View], drafted: int, sampler: RowSampler) -> Choice:
+        """Speculative sampling at an ensemble point, over strings (README "Sampling").
+
+        P_draft is the drafter's warped distribution summed per string; P_ens the aggregate of
+        every member's warped distribution (the same code as the greedy argmax), restricted to
+        strings the drafter can write and renormalised. The drafted string is kept with
+        probability min(1, P_ens/P_draft), else replaced by a draw from the residual
+        norm(max(0, P_ens - P_draft)): the string emitted is distributed as P_ens.
+        """
+        o = self.options
+        warped = [View(sampler.warp(v.logprobs), v.vocab, v.tokenizer, v.weight) for v in views]
+        drafter_probs = warped[0].logprobs.exp()
+        if o.aggregator == "gac":
+            target = gac_distribution(warped, self.union, o.sharpen, o.sharpen_lambda, o.top_k)
+            mapping = self.union.maps[0]
+            draft = torch.zeros(len(self.union), dtype=torch.float64)
+            draft.scatter_add_(0, mapping, drafter_probs)
+            drafted_index = int(mapping[drafted])
+            probs = target.probs * self._union_sayable
+        else:
+            # unite's strings, then one slot for every other string (P_ens is 0 there)
+            target = unite_distribution(warped, o.sharpen, o.sharpen_lambda, o.top_k)
+            ids_of = self._drafter_ids_by_key
+            draft = torch.tensor(
+                [float(drafter_probs[ids_of.get(key, [])].sum()) for key in target.keys] + [0.0],
+                dtype=torch.float64,
+            )
+            draft[-1] = max(0.0, 1.0 - float(draft.sum()))
+            key = self.drafter.vocab.keys[drafted]
+            drafted_index = target.keys.index(key) if key in target.keys else len(target.keys)
+            sayable = [self._drafter_can_say(k) for k in target.keys] + [False]
+            probs = torch.cat([target.probs, torch.zeros(1, dtype=torch.float64)])
+            probs = probs * torch.tensor(sayable, dtype=torch.float64)
+        total = float(probs.sum())
+        if total <= 0.0:  # the members share no string the drafter can write: keep its draw
+            return Choice(self.drafter.vocab.keys[drafted], 0.0, False)
+        probs = probs / total
+        index = sampler.keep_or_resample(probs, draft, drafted_index)
+        if index == drafted_index:
+            return Choice(self.drafter.vocab.keys[drafted], float(probs[index]), target.sharpened)
+        return Choice(target.keys[index], float(probs[index]), target.sharpened)
+
+    @cached_property
+    def _drafter_ids_by_key(self) -> dict[bytes, list[int]]:
+        """Every drafter id of each string (several ids may spell one string: P_draft sums them)."""
+        ids: dict[bytes, list[int]] = {}
+        for token_id, key in enumerate(self.drafter.vocab.keys):
+            ids.setdefault(key, []).append(token_id)
+        return ids
+
+    @cached_property
+    def _union_sayable(self) -> torch.Tensor:
+        """1.0 for each union string the drafter can write, else 0.0 (see _drafter_can_say)."""
+        return torch.tensor(
+            [self._drafter_can_say(key) for key in self.union.keys], dtype=torch.float64
+        )
+
+    def _drafter_can_say(self, key: bytes) -> bool:
+        """Whether :meth:`_to_drafter_ids` turns ``key`` into drafter ids of its own rather than
+        falling back to the drafted token: not for another member's special tokens, bytes that
+        are no UTF-8 text the drafter has no token for, or EOS when the drafter has none."""
+        if key == EOS_KEY:
+            return self.drafter.eos_id is not None
+        if key in self.drafter.vocab.lookup:
+            return True
+        if key.startswith(b"\x00"):
+            return False
+        try:
+            key.decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+        return True
 
     def _to_drafter_ids(self, choice: Choice, drafted: int) -> list[int]:
         """The chosen string as drafter ids (SAFE_SPEC §4): gac keeps all ids, unite the first."""

@@ -9,18 +9,19 @@ import time
 from typing import Any
 
 from lm_eval.api.model import LM
-from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
+from lm_eval.models.utils import handle_stop_sequences
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from lm_eval_safe import __version__
 from lm_eval_safe._autoregister import fold_bare_items
 from lm_eval_safe.batching import generation_batch_size
-from lm_eval_safe.decoding import SafeDecoder
+from lm_eval_safe.decoding import GenerationJob, SafeDecoder
 from lm_eval_safe.distributed import ProcessGroup
 from lm_eval_safe.members import CHAT_MARKER, Member, load_member
 from lm_eval_safe.options import OptionError, SafeOptions, parse_options, resolve_drafter_index
 from lm_eval_safe.placement import LM_EVAL_CLI_DEFAULT_DEVICE, plan_placement, visible_hardware
+from lm_eval_safe.sampling import parse_gen_kwargs, request_seed
 from lm_eval_safe.scoring import (
     MemberScore,
     combine,
@@ -83,6 +84,11 @@ class SafeEnsembleLM(LM):
             for i, spec in enumerate(opts.members)
         ]
         self.decoder = SafeDecoder(self.members, self.drafter_index, opts)
+        # lm-eval seeds torch (--seed / torch_random_seed) before it builds the model, so the
+        # seed of sampled requests is read here; a seed= model arg overrides it
+        import torch
+
+        self.sampling_seed: int = opts.seed if opts.seed is not None else torch.initial_seed()
         self.run_stats = GenerationStats()
         self.total_stats: GenerationStats | None = None  # all ranks' stats, data parallel only
         self.request_stats: list[dict[str, Any]] = []
@@ -216,29 +222,37 @@ class SafeEnsembleLM(LM):
 
     # -- requests --------------------------------------------------------------------------
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        """Greedy SAFE generation, ``batch_size`` requests decoded together (same text as one at
-        a time). Each finished request goes to lm-eval's cache at once, so an interrupted run
-        keeps what it finished."""
+        """SAFE generation, greedy or sampled per request, ``batch_size`` requests decoded
+        together (same text as one at a time). Every request's generation kwargs are checked
+        before the first forward pass. Each finished greedy request goes to lm-eval's cache at
+        once, so an interrupted run keeps what it finished.
+
+        A sampled request's random stream is seeded by the run's seed, its content and its
+        repeat index: lm-eval sends a task with ``repeats: k`` as k identical requests, and the
+        k-th of them in this call is repeat k."""
         eos_text = (
             self.drafter.tokenizer.decode([self.drafter.eos_id])
             if self.drafter.eos_id is not None
             else None
         )
-        jobs: list[tuple[str, list[str], int]] = []
+        jobs: list[GenerationJob] = []
+        repeats: dict[str, int] = {}
         for request in requests:
             context, gen_kwargs = request.args
-            kwargs = normalize_gen_kwargs(dict(gen_kwargs or {}), self.max_gen_toks)
-            if kwargs.get("do_sample"):
-                raise OptionError(
-                    "safe-ensemble decodes greedily; remove do_sample=True / temperature>0 from --gen_kwargs"
-                )
-            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos_text)
-            max_gen_toks = int(kwargs.pop("max_gen_toks"))
+            settings = parse_gen_kwargs(gen_kwargs, self.max_gen_toks)
+            until = handle_stop_sequences(list(settings.until), eos=eos_text)
+            max_gen_toks = settings.max_gen_toks
             if max_gen_toks >= self.drafter.max_length:
                 raise OptionError(
                     f"max_gen_toks={max_gen_toks} must be less than {self.drafter.name}'s window ({self.drafter.max_length})"
                 )
-            jobs.append((context, until, max_gen_toks))
+            if settings.sampling.greedy:
+                jobs.append(GenerationJob(context, until, max_gen_toks))
+                continue
+            content = settings.canonical() + "\x00" + context
+            repeat = repeats[content] = repeats.get(content, -1) + 1
+            seed = request_seed(self.sampling_seed, context, settings, repeat)
+            jobs.append(GenerationJob(context, until, max_gen_toks, settings.sampling, seed))
         batch_size = generation_batch_size(self.options, self.members, jobs)
         progress = tqdm(
             total=len(jobs),
@@ -253,7 +267,10 @@ class SafeEnsembleLM(LM):
             call_stats.add(stats)
             self.request_stats.append({"request": index, **stats.summary()})
             logger.debug("request %d: %s", index, stats.line())
-            self.cache_hook.add_partial("generate_until", requests[index].args, text)
+            # a sample is no answer for a later request with the same arguments (repeats share
+            # one cache key), and lm-eval never reads do_sample=True requests from its cache
+            if jobs[index].sampling is None:
+                self.cache_hook.add_partial("generate_until", requests[index].args, text)
             progress.update(1)
 
         outputs = self.decoder.generate_many(jobs, batch_size, on_done=finished)

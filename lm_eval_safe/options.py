@@ -88,6 +88,14 @@ def parse_batch_size(value: Any) -> int | str:
     return int(text)
 
 
+def parse_seed(value: Any) -> int:
+    """A whole number (``seed=1234``); ``1.5``, ``abc`` or ``true`` are refused, not rounded."""
+    text = str(value).strip()
+    if isinstance(value, bool) or not re.fullmatch(r"[+-]?[0-9]+", text):
+        raise OptionError(f"seed={value!r} must be a whole number, e.g. seed=1234")
+    return int(text)
+
+
 def _choice(value: Any, key: str, choices: tuple[str, ...]) -> str:
     text = str(value).strip().lower()
     if text not in choices:
@@ -123,6 +131,7 @@ class SafeOptions:
     add_bos_token: bool | None = None
     fast_small_linear: str = "auto"
     prefix_cache_mb: float = 256.0
+    seed: int | None = None  # sampling: None = lm-eval's torch seed (torch.initial_seed())
     extra: dict[str, Any] = field(default_factory=dict)
 
     def public_dict(self) -> dict[str, Any]:
@@ -187,6 +196,8 @@ def parse_options(raw: dict[str, Any]) -> SafeOptions:
         opts.cache_dir = str(raw["cache_dir"])
     if raw.get("batch_size") not in (None, ""):
         opts.batch_size = parse_batch_size(raw["batch_size"])
+    if raw.get("seed") not in (None, ""):
+        opts.seed = parse_seed(raw["seed"])
     if raw.get("weights") not in (None, ""):
         opts.weights = [
             _as_number(w, "weights", float) for w in split_list(raw["weights"], "weights")

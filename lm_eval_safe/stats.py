@@ -11,6 +11,8 @@ class GenerationStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     ensemble_ops: int = 0
+    ensemble_kept: int = 0  # ensemble points that kept the drafter's token (sampling: accepted)
+    ensemble_replaced: int = 0  # ... that replaced it (sampling: rejected and resampled)
     aligned_positions: int = 0
     cycles: int = 0
     verifier_positions: int = (
@@ -18,6 +20,7 @@ class GenerationStats:
     )
     sharpened_ops: int = 0
     misaligned_ensembles: int = 0  # every/threshold baselines: ensembles at OOV-like positions
+    sampled_requests: int = 0  # requests decoded by sampling (the rest are greedy)
     prefill_tokens: int = 0  # prompt tokens of every member (generation and scoring contexts)
     prefill_tokens_saved: int = 0  # of those, states taken from the shared-prefix store
     wall_seconds: float = 0.0
@@ -36,6 +39,12 @@ class GenerationStats:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
     @property
+    def ensemble_keep_rate(self) -> float:
+        """Share of ensemble points that kept the drafted token (sampling: the acceptance
+        rate of speculative sampling's test)."""
+        return self.ensemble_kept / self.ensemble_ops if self.ensemble_ops else 0.0
+
+    @property
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
@@ -43,6 +52,7 @@ class GenerationStats:
         data: dict[str, float] = asdict(self)
         data["ensemble_rate_percent"] = round(self.ensemble_rate, 4)
         data["acceptance_rate"] = round(self.acceptance_rate, 4)
+        data["ensemble_keep_rate"] = round(self.ensemble_keep_rate, 4)
         data["tokens_per_second"] = round(self.tokens_per_second, 3)
         data["verifier_positions_per_token"] = (
             round(self.verifier_positions / self.generated_tokens, 4)
@@ -55,6 +65,7 @@ class GenerationStats:
     def line(self) -> str:
         return (
             f"tokens={self.generated_tokens} ensembles={self.ensemble_ops} "
+            f"(kept {self.ensemble_kept}) "
             f"E/T={self.ensemble_rate:.2f}% acceptance={self.acceptance_rate:.3f} "
             f"tok/s={self.tokens_per_second:.2f} verifier_positions={self.verifier_positions}"
         )

@@ -182,6 +182,27 @@ def process_gsm8k(doc: dict[str, Any], results: list[str]) -> dict[str, int]:
     return {"exact_match": ac.as_metric(ac.gsm8k_match(generation, doc["answer"]))}
 
 
+#: What a self-consistency vote answers when no sampled solution had a number.
+NO_ANSWER = "[invalid]"
+
+
+def gsm8k_vote_answers(resps: Any, docs: Any) -> list[list[str]]:
+    """``custom`` filter of ``safe_gsm8k_sc``: each doc's sampled solutions become their numeric
+    answers, ready for lm-eval's ``majority_vote``.
+
+    Solutions without a number are left out of the vote (self-consistency votes over the
+    answers of the solutions that reached one); a doc with none votes ``[invalid]``. Answers are
+    written ``\\boxed{<exact fraction>}`` so that equal numbers written differently (``1,000``,
+    ``1000.0``) count as one, and ``process_gsm8k`` reads them back exactly.
+    """
+    voted = []
+    for responses in resps:
+        answers = [ac.extract_gsm8k_answer(r) for r in responses]
+        valid = [f"\\boxed{{{a}}}" for a in answers if a is not None]
+        voted.append(valid or [NO_ANSWER])
+    return voted
+
+
 # --------------------------------------------------------------------------
 # BBH
 # --------------------------------------------------------------------------

@@ -19,8 +19,8 @@ def _tiny_gsm8k(root: Path, rows: list[dict] | None = None) -> Path:
     return root / "data"
 
 
-def _simple_evaluate(data: Path, model_args: str, **kwargs: Any) -> dict:
-    """lm-eval's Python entry point on safe_gsm8k, as a pipeline would call it."""
+def _simple_evaluate(data: Path, model_args: str, tasks: str = "safe_gsm8k", **kwargs: Any) -> dict:
+    """lm-eval's Python entry point on safe_gsm8k (or ``tasks``), as a pipeline would call it."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -29,7 +29,7 @@ def _simple_evaluate(data: Path, model_args: str, **kwargs: Any) -> dict:
     return lm_eval.simple_evaluate(
         model="safe-ensemble",
         model_args=model_args,
-        tasks=["safe_gsm8k"],
+        tasks=tasks.split(","),
         task_manager=TaskManager(include_path=lm_eval_safe.task_dir(), metadata={"data_dir": str(data)}),
         device="cpu",
         **kwargs,
@@ -95,3 +95,57 @@ def test_simple_evaluate_batch_size_gives_the_same_responses(
     assert len(responses[1]) == 6
     assert len({str(r) for r in responses[1]}) > 1, "responses must differ for the check to mean anything"
     assert responses[4] == responses[1]
+
+
+def _responses(results: dict, task: str) -> list[list[str]]:
+    """Each doc's responses (its repeats), from the logged samples of the task's first filter."""
+    samples = results["samples"][task]
+    first_filter = samples[0]["filter"]
+    ordered = sorted((s for s in samples if s["filter"] == first_filter), key=lambda s: s["doc_id"])
+    return [s["resps"][0] for s in ordered]
+
+
+def test_self_consistency_task_with_use_cache(tmp_path: Path, tiny_bpe_dir: Path, tiny_sp_dir: Path) -> None:
+    """safe_gsm8k_sc end to end: 4 different samples per question, a majority-vote metric, and
+    with ``--use_cache`` (which never reads do_sample=True requests) a second run that samples
+    the same texts again."""
+    data = _tiny_gsm8k(tmp_path)
+    runs = []
+    for _ in range(2):
+        results = _simple_evaluate(
+            data,
+            f"members={tiny_bpe_dir},{tiny_sp_dir},aggregator=gac,seed=3",
+            tasks="safe_gsm8k_sc",
+            limit=2,
+            gen_kwargs={"max_gen_toks": 8},
+            log_samples=True,
+            use_cache=str(tmp_path / "cache" / "lm"),
+        )
+        metrics = results["results"]["safe_gsm8k_sc"]
+        assert "exact_match,maj@4" in metrics and "exact_match,score-first" in metrics
+        runs.append(_responses(results, "safe_gsm8k_sc"))
+    assert [len(r) for r in runs[0]] == [4, 4]
+    assert all(len(set(r)) > 1 for r in runs[0]), runs[0]
+    assert runs[1] == runs[0]
+
+
+def test_simple_evaluate_gen_kwargs_turn_on_sampling_seeded_by_lm_eval(
+    tmp_path: Path, tiny_bpe_dir: Path, tiny_sp_dir: Path
+) -> None:
+    """``gen_kwargs="temperature=0.7,do_sample=True"`` samples a greedy task; lm-eval's own
+    seed (``torch_random_seed``, the CLI's ``--seed``) decides the samples."""
+    data = _tiny_gsm8k(tmp_path, [{"question": f"What is {a} plus 3?", "answer": f"#### {a + 3}"} for a in range(3)])
+    responses = {}
+    for seed in (1234, 1234, 99):
+        results = _simple_evaluate(
+            data,
+            f"members={tiny_bpe_dir},{tiny_sp_dir}",
+            limit=3,
+            gen_kwargs="temperature=0.7,do_sample=True,max_gen_toks=8",
+            log_samples=True,
+            torch_random_seed=seed,
+        )
+        assert results["config"]["safe_stats"]["sampled_requests"] == 3
+        responses.setdefault(seed, []).append(_responses(results, "safe_gsm8k"))
+    assert responses[1234][0] == responses[1234][1]
+    assert responses[99][0] != responses[1234][0]

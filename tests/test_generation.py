@@ -90,10 +90,18 @@ def test_empty_prompt_is_one_line_error(bpe_single) -> None:
         bpe_single.generate_until([gen_request("", until=[], max_gen_toks=4)], disable_tqdm=True)
 
 
-def test_sampling_request_is_refused(bpe_single) -> None:
-    with pytest.raises(ValueError, match="decodes greedily"):
+def test_sampling_request_is_sampled_and_unsupported_options_refused(bpe_single) -> None:
+    """Issue 11: do_sample=True is decoded by sampling (tests/test_sampling.py checks how); an
+    option that would change the output and that we cannot honour is still refused, never
+    silently dropped."""
+    (text,) = bpe_single.generate_until(
+        [gen_request("hi", until=[], max_gen_toks=4, do_sample=True, temperature=0.7)], disable_tqdm=True
+    )
+    assert isinstance(text, str)
+    with pytest.raises(ValueError, match="min_p"):
         bpe_single.generate_until(
-            [gen_request("hi", until=[], max_gen_toks=4, do_sample=True, temperature=0.7)], disable_tqdm=True
+            [gen_request("hi", until=[], max_gen_toks=4, do_sample=True, temperature=0.7, min_p=0.1)],
+            disable_tqdm=True,
         )
 
 

@@ -94,6 +94,9 @@ def test_model_args_win_over_cli_device() -> None:
         ({"members": "a", "batch_size": "auto:x"}, "the N of auto:N must be a positive integer"),
         ({"members": "a", "batch_size": "automatic"}, "is not a batch size"),
         ({"members": "a", "max_batch_size": "0"}, "max_batch_size=0 must be at least 1"),
+        ({"members": "a", "seed": "abc"}, "seed='abc' must be a whole number"),
+        ({"members": "a", "seed": 1.5}, "seed=1.5 must be a whole number"),
+        ({"members": "a", "seed": True}, "seed=True must be a whole number"),
     ],
 )
 def test_bad_options_fail_in_one_line(raw: dict, fragment: str) -> None:
@@ -115,6 +118,12 @@ def test_batch_size_forms(value: object, expected: object) -> None:
 def test_batch_size_errors_say_what_to_type() -> None:
     with pytest.raises(OptionError, match="give a positive integer, auto or auto:N$"):
         parse_options({"members": "a", "batch_size": "-2"})
+
+
+def test_seed_option() -> None:
+    assert parse_options({"members": "a"}).seed is None  # lm-eval's torch seed decides
+    assert parse_options({"members": "a", "seed": "1234"}).seed == 1234
+    assert parse_options({"members": "a", "seed": -7}).seed == -7
 
 
 def test_drafter_by_name_and_index() -> None:

@@ -189,3 +189,39 @@ def test_prefix_reuse_keeps_bbh_texts(models: Path, shared_dir: Path) -> None:
             assert stats.prefill_tokens_saved > 0.6 * stats.prefill_tokens, stats
     assert texts[256] == texts[0]
     assert all(t.strip() for t in texts[0])
+
+
+def test_self_consistency_task_on_real_models(models: Path, shared_dir: Path) -> None:
+    """safe_gsm8k_sc (4 sampled repeats at temperature 0.7, majority vote) through
+    simple_evaluate on SmolLM2 + Gemma-3: two questions, 32 tokens per sample."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    import lm_eval_safe
+
+    results = lm_eval.simple_evaluate(
+        model="safe-ensemble",
+        model_args="members=smollm2-135m,gemma3-270m,aggregator=gac",
+        tasks=["safe_gsm8k_sc"],
+        task_manager=TaskManager(
+            include_path=lm_eval_safe.task_dir(), metadata={"data_dir": str(shared_dir / "data")}
+        ),
+        limit=2,
+        gen_kwargs={"max_gen_toks": 32},
+        apply_chat_template=True,
+        log_samples=True,
+        device="cpu",
+    )
+    metrics = results["results"]["safe_gsm8k_sc"]
+    assert "exact_match,maj@4" in metrics and "exact_match,score-first" in metrics
+    samples = [s for s in results["samples"]["safe_gsm8k_sc"] if s["filter"] == "maj@4"]
+    assert len(samples) == 2
+    for sample in samples:
+        (responses,) = sample["resps"]
+        # a sample may legitimately start with EOS; most answer, and the 4 differ
+        assert len(responses) == 4 and sum(bool(r.strip()) for r in responses) >= 2, responses
+        assert len(set(responses)) >= 3, responses
+    stats = results["config"]["safe_stats"]
+    print(json.dumps(stats, indent=1))
+    assert stats["sampled_requests"] == 8 and stats["ensemble_ops"] > 0
+    assert stats["ensemble_ops"] == stats["ensemble_kept"] + stats["ensemble_replaced"]

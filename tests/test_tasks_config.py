@@ -97,6 +97,30 @@ def test_safe_gsm8k_loads_local_data_and_prompt(tm: TaskManager) -> None:
     assert not any(stop in d["answer"] for d in docs for stop in until)
 
 
+def test_safe_gsm8k_sc_samples_four_repeats_and_votes(tm: TaskManager) -> None:
+    """Self-consistency: safe_gsm8k's prompt and data, 4 sampled repeats, and a majority vote
+    over the numeric answers of the solutions that have one."""
+    task = _leaf_tasks(tm, "safe_gsm8k_sc")["safe_gsm8k_sc"]
+    plain = _leaf_tasks(tm, "safe_gsm8k")["safe_gsm8k"]
+    docs = list(task.eval_docs)
+    assert _prompt(task, docs[0]) == _prompt(plain, docs[0])
+    assert task.config.repeats == 4
+    kwargs = task.config.generation_kwargs
+    assert kwargs["do_sample"] is True and kwargs["temperature"] == 0.7
+    assert kwargs["until"] == plain.config.generation_kwargs["until"]
+    vote = dict(task._filters[0].filters[0].keywords)["filter_fn"]  # the custom filter
+    resps = [
+        ["so 1,000 apples", "The answer is 999.", "\\boxed{1000.0}", "no idea"],
+        ["no number here", "nor here", "", "none"],
+    ]
+    assert list(vote(resps, docs[:2])) == [
+        ["\\boxed{1000}", "\\boxed{999}", "\\boxed{1000}"],
+        ["[invalid]"],
+    ]
+    first, maj = (f.name for f in task._filters[::-1])
+    assert {first, maj} == {"maj@4", "score-first"}
+
+
 def _cot_body(task: str) -> str:
     """The BBH cot-prompt file without its canary and ``-----`` header lines."""
     lines = (DATA / "bbh" / "cot-prompts" / f"{task}.txt").read_text(encoding="utf-8").split("\n")
