@@ -168,10 +168,11 @@ def test_smollm2_rolling_and_batched_equal_lm_eval_hf(smollm, pair) -> None:
 
 
 def test_prefix_reuse_keeps_bbh_texts(models: Path, shared_dir: Path) -> None:
-    """Real members, BBH 3-shot prompts (one shared exemplar block of ~1k tokens): the texts
+    """Real members, BBH 3-shot prompts (one shared exemplar block of ~600 tokens): the texts
     with shared-prefix reuse equal those with every prompt prefilled from scratch (float32),
     and the exemplars were prefilled once per member."""
     from lm_eval_safe.model import SafeEnsembleLM
+    from lm_eval_safe.prefix_cache import BLOCK
 
     bbh = shared_dir / "data" / "bbh"
     exemplars = (bbh / "cot-prompts" / "date_understanding.txt").read_text().split("-----\n", 1)[-1]
@@ -185,8 +186,14 @@ def test_prefix_reuse_keeps_bbh_texts(models: Path, shared_dir: Path) -> None:
         lm = SafeEnsembleLM(members="gemma3-270m,smollm2-135m", device="cpu", batch_size=3, prefix_cache_mb=budget)
         texts[budget] = lm.generate_until(requests, disable_tqdm=True)
         if budget:
-            stats = lm.run_stats
-            assert stats.prefill_tokens_saved > 0.6 * stats.prefill_tokens, stats
+            # Independent count: every prompt after the first needs to prefill only what it
+            # does not share with the first, up to the store's block granularity.
+            shared = 0
+            for member in lm.members:
+                ids = [member.encode(member.render_context(r.args[0])) for r in requests]
+                common = next((i for i, col in enumerate(zip(*ids)) if len(set(col)) > 1), min(map(len, ids)))
+                shared += (len(requests) - 1) * (common - BLOCK)
+            assert lm.run_stats.prefill_tokens_saved >= shared > 0, lm.run_stats
     assert texts[256] == texts[0]
     assert all(t.strip() for t in texts[0])
 
