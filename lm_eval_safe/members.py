@@ -196,6 +196,27 @@ def resolve_source(spec: str, configured_cache: str | None = None) -> MemberSour
     )
 
 
+def content_identity(source: MemberSource, model: Any = None) -> dict[str, Any]:
+    """Identity of a member's weights without hashing gigabytes: an alias's pinned sha256; a
+    file's name, size and mtime; a folder's file names, sizes and mtimes; a hub id's resolved
+    commit (from the loaded ``model``'s config, when transformers recorded it)."""
+    alias = ALIASES.get(source.spec.strip().lower())
+    if alias is not None:
+        return {"alias": source.name, "sha256": alias.sha256}
+    path = Path(source.location)
+    if source.kind == "gguf":
+        stat = path.stat()
+        return {"file": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    if source.kind == "folder":
+        files = sorted(
+            (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir() if p.is_file()
+        )
+        digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()[:20]
+        return {"folder": path.name, "files": digest}
+    revision = getattr(getattr(model, "config", None), "_commit_hash", None)
+    return {"hub": source.spec, "revision": revision}
+
+
 def pick_device(requested: str | None) -> str:
     """``requested`` checked against this machine (``auto``/None: cuda if visible, else cpu).
 
@@ -437,6 +458,11 @@ class Member:
             tokenize=False,
             add_generation_prompt=payload["add_generation_prompt"],
         )
+
+    def identity(self) -> dict[str, Any]:
+        """What this member's outputs depend on, cheap to compute: the weights' content identity
+        (:func:`content_identity`) and the dtype they were loaded in."""
+        return {**content_identity(self.source, self.model), "dtype": str(self.dtype)}
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -8,32 +8,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
-
-def _tiny_gsm8k(root: Path, rows: list[dict] | None = None) -> Path:
-    folder = root / "data" / "gsm8k"
-    folder.mkdir(parents=True)
-    rows = rows or [{"question": "What is 2 plus 3?", "answer": "2+3=5\n#### 5"}] * 2
-    (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return root / "data"
-
-
-def _simple_evaluate(data: Path, model_args: str, **kwargs: Any) -> dict:
-    """lm-eval's Python entry point on safe_gsm8k, as a pipeline would call it."""
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
-    import lm_eval_safe
-
-    return lm_eval.simple_evaluate(
-        model="safe-ensemble",
-        model_args=model_args,
-        tasks=["safe_gsm8k"],
-        task_manager=TaskManager(include_path=lm_eval_safe.task_dir(), metadata={"data_dir": str(data)}),
-        device="cpu",
-        **kwargs,
-    )
+from helpers import evaluate_gsm8k as _simple_evaluate
+from helpers import write_gsm8k as _tiny_gsm8k
 
 
 def test_console_command_finds_its_tasks(tmp_path: Path, tiny_bpe_dir: Path, tiny_sp_dir: Path) -> None:
