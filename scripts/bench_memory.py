@@ -9,8 +9,8 @@ Why it measures what it does
   hook included) and samples the process at chosen request counts.
 * Samples are taken when a request finishes, from the cache hook lm-eval itself would be
   handed (``add_partial``), so the run is one call as in lm-eval, not many small ones.
-* Three numbers per sample: RSS (what the OS charges, allocator slack included), the bytes of
-  live torch tensors (weights plus KV caches and kept distributions: the part a leak in the
+* Four numbers per sample: RSS (what the OS charges, allocator slack included), RSS after
+  ``malloc_trim`` (slack returned: what is really in use), the bytes of live torch tensors (weights plus KV caches and kept distributions: the part a leak in the
   decoder would grow), and the count of live Python objects (a per-request leak of dicts or
   lists shows here first). Between the first and last mid-run samples the batch holds the same
   number of rows, so the numbers should be level.
@@ -58,6 +58,21 @@ def rss_mib() -> float:
     return psutil.Process().memory_info().rss / MIB
 
 
+def trimmed_rss_mib() -> float:
+    """RSS after asking glibc to return freed heap pages to the OS (``malloc_trim``).
+
+    Plain RSS also counts memory the allocator keeps after ``free`` (fragmentation from
+    tensors of ever-changing sizes); if RSS grows but trimmed RSS does not, nothing is alive
+    that should not be. Elsewhere (no glibc) this is plain RSS."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    return rss_mib()
+
+
 def live_tensor_mib() -> float:
     """Bytes of every live torch tensor's storage, each storage counted once, in MiB."""
     import torch
@@ -93,10 +108,16 @@ class MemoryProbe:
             gc.collect()
             self.samples[self.done] = {
                 "rss_mib": round(rss_mib(), 1),
+                "trimmed_rss_mib": round(trimmed_rss_mib(), 1),
                 "tensor_mib": round(live_tensor_mib(), 2),
                 "objects": len(gc.get_objects()),
                 "seconds": round(time.perf_counter(), 1),
             }
+            print(
+                f"after {self.done} requests: {self.samples[self.done]}",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def mask_eos(lm: Any) -> None:
@@ -116,9 +137,7 @@ def mask_eos(lm: Any) -> None:
 
 def gsm8k_prompts(data_dir: Path, n: int) -> list[str]:
     """``n`` GSM8K questions (cycled when ``n`` exceeds the file) in the paper's math prompt."""
-    lines = [
-        line for line in (data_dir / "gsm8k" / "test.jsonl").read_text().splitlines() if line
-    ]
+    lines = [line for line in (data_dir / "gsm8k" / "test.jsonl").read_text().splitlines() if line]
     questions = [json.loads(lines[i % len(lines)])["question"] for i in range(n)]
     return [
         f"{q} Please reason step by step, and put your final answer within \\boxed{{}}."
@@ -186,12 +205,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{stats.generated_tokens} tokens in {time.perf_counter() - start:.0f}s "
         f"(E/T {stats.ensemble_rate:.2f}%); RSS before the first request {before:.0f} MiB"
     )
-    print("| requests done | RSS MiB | live tensors MiB | Python objects |")
-    print("|---:|---:|---:|---:|")
+    print(
+        "| requests done | RSS MiB | RSS after malloc_trim MiB | live tensors MiB | Python objects |"
+    )
+    print("|---:|---:|---:|---:|---:|")
     for count, sample in sorted(probe.samples.items()):
         print(
-            f"| {count} | {sample['rss_mib']:.0f} | {sample['tensor_mib']:.1f} | "
-            f"{sample['objects']} |"
+            f"| {count} | {sample['rss_mib']:.0f} | {sample['trimmed_rss_mib']:.0f} | "
+            f"{sample['tensor_mib']:.1f} | {sample['objects']} |"
         )
     print(f"request_stats kept: {len(lm.request_stats)} (bounded)")
     return 0
