@@ -368,8 +368,9 @@ class SafeEnsembleLM(LM):
         chat = any(context.startswith(CHAT_MARKER) for context, _, _ in jobs)
         others = [m.name for m in self.members if m is not self.drafter]
         if templated and not chat:
+            verb = "expects" if len(templated) == 1 else "expect"
             fix = (
-                f"the prompts are plain text and {', '.join(templated)} expect a chat: add "
+                f"the prompts are plain text and {', '.join(templated)} {verb} a chat: add "
                 "--apply_chat_template"
                 + (f", or let a base model draft (drafter={others[0]})" if others else "")
             )

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import evaluate_gsm8k as _simple_evaluate
 from helpers import write_gsm8k as _tiny_gsm8k
 
@@ -72,3 +73,58 @@ def test_simple_evaluate_batch_size_gives_the_same_responses(
     assert len(responses[1]) == 6
     assert len({str(r) for r in responses[1]}) > 1, "responses must differ for the check to mean anything"
     assert responses[4] == responses[1]
+
+
+def _readme_main_command() -> list[str]:
+    """The README's main job: the first ``lm_eval --model safe-ensemble`` command it shows
+    (``lm_eval`` or ``.venv/bin/lm_eval``)."""
+    import re
+    import shlex
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S):
+        text = block.replace("\\\n", " ")
+        for line in text.splitlines():
+            words = shlex.split(line) if "--model safe-ensemble" in line else []
+            if words and Path(words[0]).name == "lm_eval":
+                return words
+    raise AssertionError("README.md shows no lm_eval --model safe-ensemble command")
+
+
+@pytest.mark.real
+def test_readme_main_command_gives_real_answers(
+    tmp_path: Path, real_models_dir: Path, shared_dir: Path
+) -> None:
+    """The README's command, as a new user runs it, on 2 documents and 24 new tokens: the
+    default members answer (no empty responses, no empty-response warning)."""
+    import lm_eval_safe
+
+    command = _readme_main_command()
+    assert "--apply_chat_template" in command
+    replace = {
+        "--limit": "2",
+        "--gen_kwargs": "max_gen_toks=24",
+        "--output_path": str(tmp_path / "out"),
+        "--include_path": lm_eval_safe.task_dir(),
+        "--metadata": json.dumps({"data_dir": str(shared_dir / "data")}),
+    }
+    for flag, value in replace.items():
+        command[command.index(flag) + 1] = value
+    env = dict(
+        os.environ,
+        LM_EVAL_SAFE_MODELS=str(real_models_dir),
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "lm_eval", *command[1:]],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1200,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "responses are empty" not in proc.stderr
+    (samples,) = (tmp_path / "out").rglob("samples_safe_gsm8k_*.jsonl")
+    responses = [json.loads(line)["resps"][0][0] for line in samples.read_text().splitlines()]
+    assert len(responses) == 2 and all(len(r.strip()) > 10 for r in responses), responses
+    (results,) = (tmp_path / "out").rglob("results_*.json")
+    stats = json.loads(results.read_text())["config"]["safe_stats"]
+    assert stats["requests"] == 2 and stats["generated_tokens"] > 2 * 10
