@@ -368,15 +368,16 @@ class SafeEnsembleLM(LM):
         chat = any(context.startswith(CHAT_MARKER) for context, _, _ in jobs)
         others = [m.name for m in self.members if m is not self.drafter]
         if templated and not chat:
+            # measured: SmolLM2-Instruct votes end-of-text on a bare prompt whichever member
+            # drafts, so another drafter is no fix here; its chat template is
             verb = "expects" if len(templated) == 1 else "expect"
             fix = (
                 f"the prompts are plain text and {', '.join(templated)} {verb} a chat: add "
                 "--apply_chat_template"
-                + (f", or let a base model draft (drafter={others[0]})" if others else "")
             )
         else:
             fix = "try another drafter" + (f" (drafter={others[0]})" if others else "")
-            fix += " or a few-shot prompt (--num_fewshot)"
+            fix += " or a few-shot task (examples in the prompt)"
         logger.warning(
             "safe-ensemble: %d of %d responses are empty: the drafter %s stops at its first "
             "token; likely fix: %s",

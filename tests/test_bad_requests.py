@@ -166,7 +166,7 @@ def test_mostly_empty_responses_are_reported_once_with_the_fix(
     )
     assert "\n" not in warning
     # plain prompts to members with chat templates: the fix is the chat template
-    assert "--apply_chat_template" in warning and f"drafter={tiny_sp_dir.name}" in warning
+    assert warning.endswith(f"and {tiny_bpe_dir.name}, {tiny_sp_dir.name} expect a chat: add --apply_chat_template")
 
     chat = make_lm(tiny_bpe_dir, tiny_sp_dir)
     contexts = [chat.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
