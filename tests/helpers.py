@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
+import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from lm_eval.api.instance import Instance
@@ -67,3 +70,14 @@ def evaluate_gsm8k(data: Path, model_args: str, **kwargs: Any) -> dict:
         device="cpu",
         **kwargs,
     )
+
+
+def load_script(name: str, module_name: str | None = None) -> ModuleType:
+    """Import ``scripts/<name>.py`` by path (scripts/ is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(module_name or name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -9,7 +9,6 @@ invocation reads the cache instead of running lm-eval again -- not numbers.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shlex
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from helpers import load_script
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -30,14 +30,7 @@ GSM8K_ROWS = [
 
 def _load_compare() -> ModuleType:
     """Import scripts/compare.py by path (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(
-        "compare_script", REPO_ROOT / "scripts" / "compare.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("compare", "compare_script")
 
 
 @pytest.fixture(scope="module")

@@ -4,34 +4,18 @@ as ``scripts/bench_memory.py`` (which runs the real members)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-from helpers import make_lm, random_prompts
+from helpers import load_script, make_lm, random_prompts
 
 from lm_eval_safe import model as model_module
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def _bench_memory() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "bench_memory", REPO_ROOT / "scripts" / "bench_memory.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_200_requests_of_256_tokens_keep_memory_flat(
     tiny_bpe_dir: Path, tiny_sp_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    bench = _bench_memory()
+    bench = load_script("bench_memory")
     kept = 64
     monkeypatch.setattr(model_module, "REQUEST_STATS_KEPT", kept)
     lm = make_lm(tiny_bpe_dir, tiny_sp_dir, batch_size=32)
