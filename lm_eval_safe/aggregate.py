@@ -9,6 +9,7 @@ of one word ("The", "Th", "T") onto the shortest variant the drafter itself rank
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 from collections.abc import Sequence
@@ -18,11 +19,15 @@ from typing import Any
 
 import torch
 
+from lm_eval_safe.disk_cache import cached_blob
 from lm_eval_safe.vocabulary import TokenVocabulary
 
 logger = logging.getLogger(__name__)
 
 SHARPEN_THRESHOLD = 0.5  # sharpen only when the aggregate's maximum is below this
+#: In the union-vocabulary cache file name: 2 = checksummed blob (lm_eval_safe.disk_cache), so
+#: the plain torch files of earlier versions sharing the cache folder are left alone.
+UNION_CACHE_FORMAT = 2
 
 
 @dataclass
@@ -58,14 +63,30 @@ class UnionVocabulary:
 
     @classmethod
     def build(cls, vocabs: list[TokenVocabulary], cache_dir: Path | None = None) -> UnionVocabulary:
-        path = None
-        if cache_dir is not None:
-            path = cache_dir / "union-vocab" / ("-".join(v.fingerprint for v in vocabs) + ".pt")
-            if path.is_file():
-                data = torch.load(path, weights_only=True)
-                return cls(
-                    [bytes(k) for k in _unpack(data["keys"], data["offsets"])], list(data["maps"])
-                )
+        """The union of ``vocabs``; with ``cache_dir``, read from or stored in its crash-safe
+        cache (a damaged file is rebuilt with a warning, see :mod:`lm_eval_safe.disk_cache`)."""
+        if cache_dir is None:
+            return cls._compute(vocabs)
+        name = "-".join(v.fingerprint for v in vocabs) + f".v{UNION_CACHE_FORMAT}.pt"
+        path = cache_dir / "union-vocab" / name
+        computed: list[UnionVocabulary] = []
+
+        def build() -> bytes:
+            union = cls._compute(vocabs)
+            computed.append(union)
+            flat, offsets = _pack(union.keys)
+            buffer = io.BytesIO()
+            torch.save({"keys": flat, "offsets": offsets, "maps": union.maps}, buffer)
+            return buffer.getvalue()
+
+        payload = cached_blob(path, build, "union vocabulary")
+        if computed:
+            return computed[0]
+        data = torch.load(io.BytesIO(payload), weights_only=True)
+        return cls([bytes(k) for k in _unpack(data["keys"], data["offsets"])], list(data["maps"]))
+
+    @classmethod
+    def _compute(cls, vocabs: list[TokenVocabulary]) -> UnionVocabulary:
         index: dict[bytes, int] = {}
         keys: list[bytes] = []
         maps = []
@@ -78,14 +99,7 @@ class UnionVocabulary:
                     keys.append(key)
                 ids.append(slot)
             maps.append(torch.tensor(ids, dtype=torch.long))
-        union = cls(keys, maps)
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            flat, offsets = _pack(keys)
-            tmp = path.with_suffix(".tmp")
-            torch.save({"keys": flat, "offsets": offsets, "maps": maps}, tmp)
-            tmp.replace(path)
-        return union
+        return cls(keys, maps)
 
 
 def _pack(keys: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,7 +31,7 @@ from lm_eval_safe.aggregate import (
 )
 from lm_eval_safe.batching import Forward, MemberBatch
 from lm_eval_safe.members import Member, cache_root
-from lm_eval_safe.options import SafeOptions
+from lm_eval_safe.options import RequestError, SafeOptions
 from lm_eval_safe.sampling import RowSampler, SamplingParams
 from lm_eval_safe.small_rows import small_row_linears
 from lm_eval_safe.stats import GenerationStats
@@ -286,12 +286,48 @@ class SafeDecoder:
         return self._union
 
     # -- prompts -------------------------------------------------------------------------
-    def prompt_ids(self, member: Member, context: str, reserve: int) -> list[int]:
+    @staticmethod
+    def encoded_prompt(member: Member, context: str) -> list[int]:
+        """The member's ids of ``context`` (its own chat template applied), before truncation;
+        a context that leaves a member nothing to continue from is a ``ValueError``."""
         ids = member.encode(member.render_context(context))
         if not ids:
             raise ValueError(
                 f"empty prompt for member {member.name!r}: safe-ensemble needs a non-empty context to continue"
             )
+        return ids
+
+    def preflight(
+        self, jobs: list[GenerationJob] | list[tuple[str, list[str], int]], labels: list[str]
+    ) -> None:
+        """Check every job before the first forward of a run: a request that cannot run fails
+        now, in one line naming its document (``labels[i]``), not after hours of generation.
+
+        Each member that will see a prompt renders (chat template) and encodes it; an empty
+        prompt, a template that refuses the conversation or a stop list that is not strings is a
+        :class:`RequestError`. (Prompts too long for a window are left-truncated, as lm-eval's
+        ``hf`` does; a budget that leaves no room is refused while parsing the request.)
+        Nothing is kept: :meth:`prompt_ids` encodes again when the job runs (memory stays flat
+        however many jobs there are; encoding is cheap next to decoding)."""
+        members = [self.drafter] + (self.verifiers if self.schedule != "drafter" else [])
+        for (context, until, *_), label in zip(jobs, labels, strict=True):
+            bad = (
+                [s for s in until if not isinstance(s, str)] if isinstance(until, list) else [until]
+            )
+            if bad:
+                raise RequestError(
+                    f"{label}: the stop strings (until) must be strings, not {bad[0]!r} "
+                    f"({type(bad[0]).__name__}); fix the task's generation_kwargs"
+                )
+            for member in members:
+                try:
+                    self.encoded_prompt(member, context)
+                except Exception as exc:  # a template error would otherwise surface mid-run
+                    first = (str(exc).splitlines() or [type(exc).__name__])[0]
+                    raise RequestError(f"{label}: {first}") from exc
+
+    def prompt_ids(self, member: Member, context: str, reserve: int) -> list[int]:
+        ids = self.encoded_prompt(member, context)
         room = max(1, member.max_length - reserve)
         if len(ids) > room:
             logger.warning(

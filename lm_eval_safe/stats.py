@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, fields
 
 @dataclass
 class GenerationStats:
+    requests: int = 0  # requests decoded (not those lm-eval's --use_cache answered)
     generated_tokens: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0

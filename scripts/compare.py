@@ -24,11 +24,23 @@ Why it is built this way
   (``76.0 (+1.2)``), plus a 95% Wilson interval from the sample count: on small subsets the
   interval is what tells whether a gap means anything.
 
+* ``--runner cli`` runs each cell as its own ``lm_eval`` process (what a GPU run wants: every
+  cell starts with free GPU memory, and ``--use_cache`` lets a killed cell resume mid-task);
+  ``--dry-run`` prints those commands, exactly as they would run, and runs nothing.
+* ``--preset paper`` is the SAFE paper's Table 2 on GPUs: its two pairs of 7-8B instruct models
+  by hub id, members alone, UniTE, UniTE+SAFE, GaC and GaC+SAFE on MATH-500, GSM8K and the
+  15 BBH subjects, 2048 new tokens, bf16, one GPU per member, with the paper's number printed
+  beside each measured cell (SAFE_SPEC §10).
+
 Example (GSM8K subset, all built-in configurations)::
 
     HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 .venv/bin/python scripts/compare.py \\
         --members smollm2-135m,gemma3-270m --tasks safe_gsm8k --limit 10 \\
         --max-gen-toks 256 --out benchmarks/runs/leaderboard
+
+The paper's table (two GPUs; ``--dry-run`` first to see the commands)::
+
+    .venv/bin/python scripts/compare.py --preset paper --dry-run
 """
 
 from __future__ import annotations
@@ -40,6 +52,8 @@ import math
 import os
 import platform
 import re
+import shlex
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -71,6 +85,78 @@ ENSEMBLE_CONFIGS: dict[str, str] = {
     "gac-safe-sharpen-geometric": "schedule=safe,aggregator=gac,sharpen=geometric",
 }
 ALONE_PREFIX = "alone:"
+
+
+@dataclass(frozen=True)
+class PaperPair:
+    """One member pair of the SAFE paper's Table 2 and the numbers the paper reports for it."""
+
+    name: str
+    members: tuple[str, ...]  # hub ids; the first one drafts (see README, "Reproduce the paper")
+    accuracy: dict[tuple[str, str], float]  # (configuration, task) -> accuracy in %
+    et_math500: dict[str, float]  # configuration -> E/T % on MATH-500
+
+
+#: Table 2 configurations: each member alone, then UniTE (every token), UniTE+SAFE, GaC (its
+#: 0.5 threshold gate) and GaC+SAFE. ``alone`` expands to one row per member.
+PAPER_CONFIGS = ("alone", "unite-every", "unite-safe", "gac-threshold", "gac-safe")
+PAPER_LABELS = {
+    "unite-every": "UniTE",
+    "unite-safe": "UniTE+SAFE",
+    "gac-threshold": "GaC",
+    "gac-safe": "GaC+SAFE",
+}
+PAPER_TASKS = ("safe_math500", "safe_gsm8k", "safe_bbh_paper")
+_INTERNLM3, _QWEN25, _EXAONE35 = (
+    "internlm/internlm3-8b-instruct",
+    "Qwen/Qwen2.5-7B-Instruct",
+    "LGAI-EXAONE/EXAONE-3.5-7.8B-Instruct",
+)
+#: The numbers of SAFE_SPEC §10 (the paper's Table 2, greedy, one GPU per model). The spec gives
+#: the best single model (Internlm3) but not Qwen2.5 alone, and no numbers for the second pair:
+#: those cells print no paper number rather than an invented one.
+PAPER_PAIRS: tuple[PaperPair, ...] = (
+    PaperPair(
+        name="internlm3-8b+qwen2.5-7b",
+        members=(_INTERNLM3, _QWEN25),
+        accuracy={
+            **{
+                (f"{ALONE_PREFIX}internlm3-8b-instruct", t): v
+                for t, v in zip(PAPER_TASKS, (74.8, 90.14, 82.26), strict=True)
+            },
+            **{
+                ("gac-threshold", t): v
+                for t, v in zip(PAPER_TASKS, (74.2, 91.28, 82.34), strict=True)
+            },
+            **{("gac-safe", t): v for t, v in zip(PAPER_TASKS, (76.0, 91.36, 82.34), strict=True)},
+            **{
+                ("unite-every", t): v
+                for t, v in zip(PAPER_TASKS, (59.6, 75.06, 79.58), strict=True)
+            },
+            **{
+                ("unite-safe", t): v for t, v in zip(PAPER_TASKS, (77.4, 92.04, 82.97), strict=True)
+            },
+        },
+        et_math500={
+            "gac-threshold": 1.04,
+            "gac-safe": 0.71,
+            "unite-every": 100.0,
+            "unite-safe": 3.82,
+        },
+    ),
+    PaperPair(
+        name="qwen2.5-7b+exaone3.5-7.8b", members=(_QWEN25, _EXAONE35), accuracy={}, et_math500={}
+    ),
+)
+#: Settings of the paper's runs: 2048 new tokens, bf16, each member on its own GPU (a member
+#: alone on the first), chat templates (instruct models), and remote code, which the
+#: Internlm3 and EXAONE-3.5 checkpoints need.
+PAPER_SETTINGS = {
+    "max_gen_toks": 2048,
+    "model_args_extra": "dtype=bfloat16,trust_remote_code=true",
+    "alone_args": "device=cuda:0",
+    "ensemble_args": "member_devices=cuda:0|cuda:1",
+}
 
 
 @dataclass(frozen=True)
@@ -149,9 +235,12 @@ def build_configs(members: Sequence[str], names: Sequence[str] | None) -> list[C
     return singles + [c for c in chosen if not c.is_single]
 
 
-def full_model_args(config: Config, extra: str) -> str:
-    """Configuration model_args plus ``--model-args-extra`` (e.g. ``device=cpu``)."""
-    return f"{config.model_args},{extra}" if extra else config.model_args
+def full_model_args(config: Config, extra: str, alone: str = "", ensemble: str = "") -> str:
+    """Configuration model_args plus ``--model-args-extra`` (e.g. ``device=cpu``) and the extra
+    of its kind (``--alone-args`` for a member alone, ``--ensemble-args`` for an ensemble: one
+    GPU for a model alone, ``member_devices`` for a pair)."""
+    parts = [config.model_args, alone if config.is_single else ensemble, extra]
+    return ",".join(p for p in parts if p)
 
 
 # --------------------------------------------------------------------------------------
@@ -191,11 +280,12 @@ def cache_path(
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    """Write via a temporary file and rename, so an interrupted run never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    """Write via a private temporary file, fsync and rename (lm_eval_safe.disk_cache), so an
+    interrupted run never leaves half a file and two runs never write into one temporary."""
+    from lm_eval_safe.disk_cache import atomic_write_bytes
+
+    text = json.dumps(data, indent=2, default=str, ensure_ascii=False) + "\n"
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 # --------------------------------------------------------------------------------------
@@ -310,6 +400,59 @@ def run_one(
     return results, wall
 
 
+def lm_eval_command(
+    task: str,
+    args: argparse.Namespace,
+    model_args: str,
+    gen_kwargs: dict[str, Any],
+    run_dir: Path,
+) -> list[str]:
+    """The ``lm_eval`` command of one cell, as ``--runner cli`` runs it (``--dry-run`` prints it).
+
+    Results go to ``run_dir``; ``--use_cache`` there lets a killed run resume where it stopped."""
+    command = [
+        "lm_eval",
+        "--model",
+        "safe-ensemble",
+        "--model_args",
+        model_args,
+        "--tasks",
+        task,
+        "--include_path",
+        str(TASKS_DIR),
+        "--output_path",
+        str(run_dir),
+        "--use_cache",
+        str(run_dir / "requests"),
+    ]
+    if args.data_dir is not None:
+        command += ["--metadata", json.dumps({"data_dir": str(args.data_dir)})]
+    if args.limits[task] is not None:
+        command += ["--limit", f"{args.limits[task]:g}"]
+    if gen_kwargs:
+        command += ["--gen_kwargs", ",".join(f"{k}={v}" for k, v in gen_kwargs.items())]
+    if args.apply_chat_template:
+        command.append("--apply_chat_template")
+    if args.save_samples:
+        command.append("--log_samples")
+    return command
+
+
+def run_cli(command: list[str], run_dir: Path) -> tuple[dict[str, Any], float]:
+    """Run one cell's ``lm_eval`` command (this environment's ``lm_eval``); its results JSON."""
+    program = Path(sys.executable).with_name("lm_eval")
+    argv = [str(program) if program.is_file() else "lm_eval", *command[1:]]
+    start = time.perf_counter()
+    code = subprocess.run(argv, check=False).returncode
+    wall = time.perf_counter() - start
+    if code != 0:
+        raise SystemExit(f"lm_eval failed (exit {code}): {shlex.join(command)}")
+    found = sorted(run_dir.rglob("results_*.json"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise SystemExit(f"lm_eval wrote no results_*.json under {run_dir}")
+    return json.loads(found[-1].read_text()), wall
+
+
 def run_all(args: argparse.Namespace, configs: list[Config]) -> list[Outcome]:
     """Run or load every (task, configuration), task-major, printing a line per step."""
     gen_kwargs: dict[str, Any] = {}
@@ -322,7 +465,9 @@ def run_all(args: argparse.Namespace, configs: list[Config]) -> list[Outcome]:
     for task in args.tasks:
         for config in configs:
             step += 1
-            model_args = full_model_args(config, args.model_args_extra)
+            model_args = full_model_args(
+                config, args.model_args_extra, args.alone_args, args.ensemble_args
+            )
             path = cache_path(
                 args.out,
                 config,
@@ -333,23 +478,34 @@ def run_all(args: argparse.Namespace, configs: list[Config]) -> list[Outcome]:
                 args.apply_chat_template,
             )
             tag = f"[{step}/{total}] {config.name} on {task}"
+            run_dir = path.parent.parent / "lm_eval" / path.stem
+            command = lm_eval_command(task, args, model_args, gen_kwargs, run_dir)
             if path.is_file():
                 record = json.loads(path.read_text())
                 outcome = outcome_from_record(record, cached=True)
-                print(f"{tag}: cached ({path.name}) {describe(outcome)}", flush=True)
+                note = "# " if args.dry_run else ""
+                print(f"{note}{tag}: cached ({path.name}) {describe(outcome)}", flush=True)
                 outcomes.append(outcome)
+                continue
+            if args.dry_run:
+                printed: set[str] = vars(args).setdefault("printed", set())
+                line = shlex.join(command)  # a command shared by two pairs is printed once
+                print(f"# {tag}" + (": as above" if line in printed else f"\n{line}"), flush=True)
+                printed.add(line)
                 continue
             if args.report_only:
                 print(f"{tag}: not run yet (--report-only)", flush=True)
                 continue
             print(f"{tag}: start (model_args={model_args})", flush=True)
-            if task_manager is None:
-                from lm_eval.tasks import TaskManager
+            if args.runner == "cli":
+                results, wall = run_cli(command, run_dir)
+            else:
+                if task_manager is None:
+                    from lm_eval.tasks import TaskManager
 
-                task_manager = TaskManager(
-                    include_path=str(TASKS_DIR), metadata={"data_dir": str(args.data_dir)}
-                )
-            results, wall = run_one(config, task, args, model_args, gen_kwargs, task_manager)
+                    metadata = {} if args.data_dir is None else {"data_dir": str(args.data_dir)}
+                    task_manager = TaskManager(include_path=str(TASKS_DIR), metadata=metadata)
+                results, wall = run_one(config, task, args, model_args, gen_kwargs, task_manager)
             record = {
                 "format": CACHE_FORMAT,
                 "config": config.name,
@@ -363,7 +519,7 @@ def run_all(args: argparse.Namespace, configs: list[Config]) -> list[Outcome]:
                 "machine": machine_line(),
                 "summary": summarize_results(results, task),
             }
-            if args.save_samples:
+            if args.save_samples and args.runner != "cli":  # cli: lm_eval's samples_*.jsonl
                 samples_path = path.with_suffix(".samples.json")
                 write_json_atomic(samples_path, samples_of(results))
             write_json_atomic(path, record)
@@ -418,14 +574,24 @@ def best_single(outcomes: Sequence[Outcome], configs: Sequence[Config], task: st
     return max(values) if values else None
 
 
-def accuracy_cell(outcome: Outcome | None, best: float | None, is_single: bool) -> str:
-    """``76.0 (+1.2)``: accuracy in %, gap in points to the best member (ensembles only)."""
+def accuracy_cell(
+    outcome: Outcome | None, best: float | None, is_single: bool, paper: float | None = None
+) -> str:
+    """``76.0 (+1.2)``: accuracy in %, gap in points to the best member (ensembles only); with
+    the paper's number for the cell, ``76.0 (+1.2) [paper 77.4]``."""
     if outcome is None or outcome.accuracy is None:
-        return "-"
-    text = f"{100 * outcome.accuracy:.1f}"
-    if best is not None and not is_single:
-        text += f" ({100 * (outcome.accuracy - best):+.1f})"
-    return text
+        text = "-"
+    else:
+        text = f"{100 * outcome.accuracy:.1f}"
+        if best is not None and not is_single:
+            text += f" ({100 * (outcome.accuracy - best):+.1f})"
+    return text if paper is None else f"{text} [paper {paper}]"
+
+
+def row_label(config: Config, paper: PaperPair | None) -> str:
+    """A configuration's row name; in a paper table with the paper's method name beside it."""
+    label = PAPER_LABELS.get(config.name) if paper is not None else None
+    return f"{config.name} ({label})" if label else config.name
 
 
 def fmt(value: float | None, pattern: str) -> str:
@@ -434,10 +600,15 @@ def fmt(value: float | None, pattern: str) -> str:
 
 
 def markdown_table(
-    outcomes: Sequence[Outcome], configs: Sequence[Config], tasks: Sequence[str]
+    outcomes: Sequence[Outcome],
+    configs: Sequence[Config],
+    tasks: Sequence[str],
+    paper: PaperPair | None = None,
 ) -> str:
-    """Overview (config x task accuracy, paper layout) and one detail table per task."""
+    """Overview (config x task accuracy, paper layout) and one detail table per task; with
+    ``paper``, the paper's accuracy (and MATH-500 E/T) beside each cell it reports."""
     by_key = {(o.config, o.task): o for o in outcomes}
+    reported = paper.accuracy if paper is not None else {}
     lines = [
         "Accuracy in % (gap to the best member alone, in points). Metric: "
         + ", ".join(
@@ -452,11 +623,14 @@ def markdown_table(
     for config in configs:
         cells = [
             accuracy_cell(
-                by_key.get((config.name, t)), best_single(outcomes, configs, t), config.is_single
+                by_key.get((config.name, t)),
+                best_single(outcomes, configs, t),
+                config.is_single,
+                reported.get((config.name, t)),
             )
             for t in tasks
         ]
-        lines.append(f"| {config.name} | " + " | ".join(cells) + " |")
+        lines.append(f"| {row_label(config, paper)} | " + " | ".join(cells) + " |")
     for task in tasks:
         best = best_single(outcomes, configs, task)
         lines += [
@@ -468,17 +642,26 @@ def markdown_table(
         ]
         for config in configs:
             o = by_key.get((config.name, task))
+            paper_acc = reported.get((config.name, task))
+            paper_et = (
+                paper.et_math500.get(config.name) if paper and task == "safe_math500" else None
+            )
             if o is None:
-                lines.append(f"| {config.name} | not run | - | - | - | - | - | - | - |")
+                cell = "not run" + ("" if paper_acc is None else f" [paper {paper_acc}]")
+                et = "-" if paper_et is None else f"- [paper {paper_et}]"
+                lines.append(
+                    f"| {row_label(config, paper)} | {cell} | - | - | {et} | - | - | - | - |"
+                )
                 continue
             if o.accuracy is not None and o.n:
                 lo, hi = wilson_interval(o.accuracy, o.n)
                 ci = f"[{100 * lo:.1f}, {100 * hi:.1f}]"
             else:
                 ci = "-"
+            et = fmt(o.et_percent, "{:.2f}") + ("" if paper_et is None else f" [paper {paper_et}]")
             lines.append(
-                f"| {config.name} | {accuracy_cell(o, best, config.is_single)} | {ci} | {o.n} | "
-                f"{fmt(o.et_percent, '{:.2f}')} | {fmt(o.acceptance, '{:.3f}')} | "
+                f"| {row_label(config, paper)} | {accuracy_cell(o, best, config.is_single, paper_acc)} "
+                f"| {ci} | {o.n} | {et} | {fmt(o.acceptance, '{:.3f}')} | "
                 f"{fmt(o.generated_tokens, '{:d}')} | {fmt(o.tokens_per_second, '{:.2f}')} | "
                 f"{o.wall_seconds:.0f} |"
             )
@@ -563,14 +746,37 @@ def parse_limits(text: str | None, tasks: Sequence[str]) -> dict[str, float | in
     return limits
 
 
+PRESETS: dict[str, dict[str, Any]] = {
+    "paper": {
+        "tasks": ",".join(PAPER_TASKS),
+        "configs": ",".join(PAPER_CONFIGS),
+        "max_gen_toks": PAPER_SETTINGS["max_gen_toks"],
+        "model_args_extra": PAPER_SETTINGS["model_args_extra"],
+        "alone_args": PAPER_SETTINGS["alone_args"],
+        "ensemble_args": PAPER_SETTINGS["ensemble_args"],
+        "apply_chat_template": True,
+        "runner": "cli",
+        "out": REPO_ROOT / "benchmarks" / "runs" / "paper",
+    },
+}
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Command-line options (see the module docstring for an example)."""
+    """Command-line options (see the module docstring for an example). A ``--preset`` sets
+    defaults; options given explicitly still win."""
     parser = argparse.ArgumentParser(
         description="Members alone vs. SAFE and baseline ensembles on lm-eval tasks; "
         "resumable (results cached per configuration+task+limit in --out).",
     )
     parser.add_argument(
-        "--members", required=True, help="comma list of member specs (aliases, paths)"
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="paper: the SAFE paper's Table 2 (its two model pairs by hub id, 2 GPUs); "
+        "--members is then not used",
+    )
+    parser.add_argument(
+        "--members", default=None, help="comma list of member specs (aliases, paths)"
     )
     parser.add_argument(
         "--tasks", default=",".join(DEFAULT_TASKS), help="comma list of tasks or groups"
@@ -589,9 +795,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-gen-toks", type=int, default=None, help="generation budget override")
     parser.add_argument(
         "--data-dir",
-        type=Path,
-        default=DEFAULT_DATA_DIR,
-        help=f"local data folder (default: {DEFAULT_DATA_DIR})",
+        default=None,
+        help=f"local data folder (default: {DEFAULT_DATA_DIR} if it exists); 'hub' (or no local "
+        "folder): the tasks download their hub datasets",
     )
     parser.add_argument(
         "--out", type=Path, default=REPO_ROOT / "benchmarks" / "runs" / "leaderboard"
@@ -600,14 +806,39 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--model-args-extra", default="", help="appended to every model_args, e.g. device=cpu"
     )
     parser.add_argument(
+        "--alone-args",
+        default="",
+        help="appended to the model_args of members alone, e.g. device=cuda:0",
+    )
+    parser.add_argument(
+        "--ensemble-args",
+        default="",
+        help="appended to the model_args of ensembles, e.g. member_devices=cuda:0|cuda:1",
+    )
+    parser.add_argument(
         "--apply-chat-template",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="render prompts with each member's own chat template (instruct models)",
+    )
+    parser.add_argument(
+        "--runner",
+        choices=("inprocess", "cli"),
+        default="inprocess",
+        help="inprocess: simple_evaluate in this process; cli: one lm_eval process per cell "
+        "(fresh GPU memory per cell, --use_cache resumes a killed cell)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the lm_eval command of every cell not cached yet, exactly as --runner cli "
+        "runs it, and the table with what is cached; run nothing",
     )
     parser.add_argument(
         "--save-samples",
         action="store_true",
-        help="also write each run's responses next to its cache file (<name>.samples.json)",
+        help="also keep each run's responses (<name>.samples.json; with --runner cli, lm_eval's "
+        "samples_*.jsonl next to its results)",
     )
     parser.add_argument(
         "--report-only",
@@ -622,35 +853,44 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--markdown", type=Path, default=None, help="default: <out>/leaderboard.md")
     parser.add_argument("--plot", type=Path, default=None, help="default: <out>/leaderboard.png")
+    preset = parser.parse_known_args(argv)[0].preset
+    if preset is not None:
+        parser.set_defaults(**PRESETS[preset])
     args = parser.parse_args(argv)
-    args.members = [m for m in args.members.split(",") if m]
+    if preset is None and not args.members:
+        raise SystemExit("--members: give at least one member (or --preset paper)")
+    if preset is not None and args.members:
+        raise SystemExit(f"--preset {preset} names its own members; drop --members")
+    args.members = [m for m in (args.members or "").split(",") if m]
     args.tasks = [t for t in args.tasks.split(",") if t]
     args.configs = [c for c in args.configs.split(",") if c]
     args.limits = parse_limits(args.limit, args.tasks)
-    args.data_dir = args.data_dir.resolve()
+    if args.data_dir == "hub":
+        args.data_dir = None
+    elif args.data_dir is not None:
+        args.data_dir = Path(args.data_dir).resolve()
+    elif DEFAULT_DATA_DIR.is_dir():
+        args.data_dir = DEFAULT_DATA_DIR.resolve()
     args.out = args.out.resolve()
     args.markdown = args.markdown or args.out / "leaderboard.md"
     args.plot = args.plot or args.out / "leaderboard.png"
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run (or resume) the leaderboard, then write the markdown table and the PNG."""
-    args = parse_args(argv)
-    if not args.members:
-        raise SystemExit("--members: give at least one member")
+def leaderboard(args: argparse.Namespace, paper: PaperPair | None = None) -> str:
+    """Run (or resume) one member set's leaderboard and write its table and plot; with
+    ``--dry-run`` print the commands instead and return the table of what is cached."""
     configs = build_configs(args.members, args.configs)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    note = "# " if args.dry_run else ""
     print(
-        f"compare: {len(configs)} configurations x {len(args.tasks)} tasks, limits={args.limits}, "
-        f"out={args.out}",
+        f"{note}compare: {len(configs)} configurations x {len(args.tasks)} tasks, "
+        f"limits={args.limits}, out={args.out}",
         flush=True,
     )
     outcomes = run_all(args, configs)
-    table = markdown_table(outcomes, configs, args.tasks)
+    table = markdown_table(outcomes, configs, args.tasks, paper)
+    if args.dry_run:
+        return table
     header = (
         f"# Leaderboard\n\nmembers: {', '.join(args.members)}; limit per (sub)task: {args.limits}; "
         f"max_gen_toks: {args.max_gen_toks}; chat template: {args.apply_chat_template}; "
@@ -661,6 +901,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot(outcomes, configs, args.tasks, args.plot)
     print(table, flush=True)
     print(f"wrote {args.markdown} and {args.plot}", flush=True)
+    return table
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run (or resume) the leaderboard(s), then write the markdown table(s) and the PNG(s)."""
+    args = parse_args(argv)
+    args.printed = set()  # dry-run commands printed so far, shared by the pairs of a preset
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.preset != "paper":
+        table = leaderboard(args)
+        if args.dry_run:
+            print("".join(f"# {line}\n" for line in table.splitlines()), end="", flush=True)
+        return 0
+    for pair in PAPER_PAIRS:
+        # one --out for both pairs: Qwen2.5 alone is in both and runs (and is cached) once
+        pair_args = argparse.Namespace(**vars(args))
+        pair_args.members = list(pair.members)
+        pair_args.markdown = args.out / f"leaderboard_{pair.name}.md"
+        pair_args.plot = args.out / f"leaderboard_{pair.name}.png"
+        drafter = member_name(pair.members[0])
+        pair_args.ensemble_args = ",".join(
+            a for a in (f"drafter={drafter}", args.ensemble_args) if a
+        )
+        numbers = (
+            "paper numbers: SAFE_SPEC §10" if pair.accuracy else "no paper numbers in SAFE_SPEC"
+        )
+        print(
+            f"# {pair.name}: {' + '.join(pair.members)}, drafter {drafter}; {numbers}", flush=True
+        )
+        table = leaderboard(pair_args, pair)
+        if args.dry_run:
+            print("".join(f"# {line}\n" for line in table.splitlines()), end="", flush=True)
     return 0
 
 

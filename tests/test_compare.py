@@ -9,13 +9,14 @@ invocation reads the cache instead of running lm-eval again -- not numbers.
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import shlex
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from helpers import load_script
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -29,14 +30,7 @@ GSM8K_ROWS = [
 
 def _load_compare() -> ModuleType:
     """Import scripts/compare.py by path (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(
-        "compare_script", REPO_ROOT / "scripts" / "compare.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("compare", "compare_script")
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +147,70 @@ def test_limits_configs_and_interval(compare: ModuleType) -> None:
     assert lo == 0.0 and 0.4 < hi < 0.5
     lo, hi = compare.wilson_interval(0.5, 100)
     assert lo == pytest.approx(0.404, abs=1e-3) and hi == pytest.approx(0.596, abs=1e-3)
+
+
+def test_paper_preset_dry_run_prints_the_exact_commands(
+    compare: ModuleType,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--preset paper --dry-run``: one lm_eval command per (pair, configuration, task) of the
+    paper's Table 2, each accepted by lm-eval's own CLI parser and by the backend's options;
+    the table prints the paper's number beside each cell SAFE_SPEC §10 gives; nothing runs."""
+    from lm_eval._cli import HarnessCLI
+
+    from lm_eval_safe.options import parse_options
+
+    out = tmp_path / "paper"
+    assert compare.main(["--preset", "paper", "--dry-run", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert not out.exists(), "a dry run runs and writes nothing"
+    assert all(line.startswith(("lm_eval ", "# ")) for line in printed.splitlines() if line)
+
+    pairs = {
+        ("internlm/internlm3-8b-instruct", "Qwen/Qwen2.5-7B-Instruct"),
+        ("Qwen/Qwen2.5-7B-Instruct", "LGAI-EXAONE/EXAONE-3.5-7.8B-Instruct"),
+    }
+    tasks = {"safe_math500", "safe_gsm8k", "safe_bbh_paper"}
+    cells = set()
+    for line in printed.splitlines():
+        if not line.startswith("lm_eval "):
+            continue
+        monkeypatch.setattr(sys, "argv", shlex.split(line))
+        args = HarnessCLI().parse_args()
+        assert args.model == "safe-ensemble" and args.apply_chat_template is True
+        assert args.gen_kwargs == {"max_gen_toks": 2048}
+        assert args.use_cache and args.output_path and args.include_path
+        (task,) = args.tasks
+        options = parse_options(args.model_args)
+        assert options.dtype == "bfloat16" and options.trust_remote_code is True
+        if len(options.members) == 1:
+            assert options.device == "cuda:0" and options.member_devices is None
+            config = ("alone", options.members[0])
+        else:
+            assert options.member_devices == ["cuda:0", "cuda:1"]
+            assert tuple(options.members) in pairs
+            assert options.drafter == options.members[0].split("/")[1]
+            config = (options.schedule, options.aggregator, tuple(options.members))
+        cells.add((config, task))
+    ensembles = {("every", "unite"), ("safe", "unite"), ("threshold", "gac"), ("safe", "gac")}
+    expected = {
+        (("alone", m), t) for pair in pairs for m in pair for t in tasks
+    } | {((s, a, pair), t) for pair in pairs for s, a in ensembles for t in tasks}
+    assert cells == expected
+    # Qwen2.5 alone belongs to both pairs and runs once: 3 members alone + 2 pairs x 4, x 3 tasks
+    assert sum(line.startswith("lm_eval ") for line in printed.splitlines()) == (3 + 8) * 3
+    assert printed.count(": as above") == 3
+
+    for row in (
+        "| alone:internlm3-8b-instruct | - [paper 74.8] | - [paper 90.14] | - [paper 82.26] |",
+        "| unite-every (UniTE) | - [paper 59.6] | - [paper 75.06] | - [paper 79.58] |",
+        "| unite-safe (UniTE+SAFE) | - [paper 77.4] | - [paper 92.04] | - [paper 82.97] |",
+        "| gac-threshold (GaC) | - [paper 74.2] | - [paper 91.28] | - [paper 82.34] |",
+        "| gac-safe (GaC+SAFE) | - [paper 76.0] | - [paper 91.36] | - [paper 82.34] |",
+        "| gac-safe (GaC+SAFE) | not run [paper 76.0] | - | - | - [paper 0.71] | - | - | - | - |",
+    ):
+        assert f"# {row}" in printed, row
+    second = printed[printed.index("# qwen2.5-7b+exaone3.5-7.8b") :]
+    assert "no paper numbers" in second.splitlines()[0] and "[paper" not in second

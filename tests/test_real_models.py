@@ -191,7 +191,7 @@ def test_prefix_reuse_keeps_bbh_texts(models: Path, shared_dir: Path) -> None:
             shared = 0
             for member in lm.members:
                 ids = [member.encode(member.render_context(r.args[0])) for r in requests]
-                common = next((i for i, col in enumerate(zip(*ids)) if len(set(col)) > 1), min(map(len, ids)))
+                common = next((i for i, col in enumerate(zip(*ids, strict=False)) if len(set(col)) > 1), min(map(len, ids)))
                 shared += (len(requests) - 1) * (common - BLOCK)
             assert lm.run_stats.prefill_tokens_saved >= shared > 0, lm.run_stats
     assert texts[256] == texts[0]

@@ -1,0 +1,40 @@
+"""Memory stays flat over a long run (issue 13 §2): 200 generate requests of 256 tokens on the
+tiny members, in one ``generate_until`` call as lm-eval makes it, sampled with the same probe
+as ``scripts/bench_memory.py`` (which runs the real members)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import load_script, make_lm, random_prompts
+
+from lm_eval_safe import model as model_module
+
+
+def test_200_requests_of_256_tokens_keep_memory_flat(
+    tiny_bpe_dir: Path, tiny_sp_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bench = load_script("bench_memory")
+    kept = 64
+    monkeypatch.setattr(model_module, "REQUEST_STATS_KEPT", kept)
+    lm = make_lm(tiny_bpe_dir, tiny_sp_dir, batch_size=32)
+    bench.mask_eos(lm)  # every request runs its full 256 tokens
+    probe, texts = bench.run(lm, random_prompts(200, seed=21), 256, [50, 100, 150, 200])
+    assert lm.run_stats.generated_tokens == 200 * 256 and lm.run_stats.requests == 200
+    assert lm.run_stats.ensemble_ops > 0 and lm.run_stats.verifier_positions > 0
+    assert len(texts) == 200
+    s = probe.samples
+    print("RSS MiB at 50/100/200:", [s[n]["rss_mib"] for n in (50, 100, 200)])
+    print("live tensor MiB at 50/100/150/200:", [s[n]["tensor_mib"] for n in (50, 100, 150, 200)])
+    print("Python objects at 50/100/150/200:", [s[n]["objects"] for n in (50, 100, 150, 200)])
+    # At 50 and 150 done, 32 rows are in flight either way: KV caches and kept distributions
+    # take the same room. A decoder keeping one distribution row per request would add
+    # >100 x 256 x vocab floats (tens of MiB) here.
+    assert s[150]["tensor_mib"] <= s[50]["tensor_mib"] * 1.25
+    # After the last request only the weights (and the union vocabulary) remain.
+    assert s[200]["tensor_mib"] <= s[50]["tensor_mib"]
+    # Python objects may grow by the responses themselves (text + its stats), not more.
+    assert s[150]["objects"] - s[50]["objects"] < 100 * 10
+    assert s[200]["rss_mib"] - s[50]["rss_mib"] < 64
+    assert len(lm.request_stats) == kept
