@@ -57,7 +57,7 @@ def strict_template_dir(tmp_path_factory: pytest.TempPathFactory, tiny_bpe_dir: 
     ("context", "gen_kwargs", "message"),
     [
         ("", {"until": [], "max_gen_toks": 4}, "empty prompt for member"),
-        ("Q: 2+2?", {"until": ["\n", 3], "max_gen_toks": 4}, r"stop strings \(until\) must be strings, not 3 \(int\)"),
+        ("Q: 2+2?", {"until": ["\n", 3], "max_gen_toks": 4}, r"until=\['\\n', 3\] must be a string or a list of strings"),
         ("Q: 2+2?", {"until": 5, "max_gen_toks": 4}, "until"),
         ("Q: 2+2?", {"until": [], "max_gen_toks": 10**6}, "window"),
         ("Q: 2+2?", {"until": [], "max_gen_toks": 4, "no_such_option": 1}, "no_such_option"),

@@ -18,7 +18,9 @@ def test_200_requests_of_256_tokens_keep_memory_flat(
     bench = load_script("bench_memory")
     kept = 64
     monkeypatch.setattr(model_module, "REQUEST_STATS_KEPT", kept)
-    lm = make_lm(tiny_bpe_dir, tiny_sp_dir, batch_size=32)
+    # The prefix store (32 blocks of 8 KiB here) is full within the first 50 random prompts and
+    # then stays at its budget: a bounded cache is part of the steady state measured, not growth.
+    lm = make_lm(tiny_bpe_dir, tiny_sp_dir, batch_size=32, prefix_cache_mb=0.25)
     bench.mask_eos(lm)  # every request runs its full 256 tokens
     probe, texts = bench.run(lm, random_prompts(200, seed=21), 256, [50, 100, 150, 200])
     assert lm.run_stats.generated_tokens == 200 * 256 and lm.run_stats.requests == 200
@@ -38,3 +40,5 @@ def test_200_requests_of_256_tokens_keep_memory_flat(
     assert s[150]["objects"] - s[50]["objects"] < 100 * 10
     assert s[200]["rss_mib"] - s[50]["rss_mib"] < 64
     assert len(lm.request_stats) == kept
+    for member in lm.members:
+        assert 0 < member.prefix_store.bytes <= member.prefix_store.budget

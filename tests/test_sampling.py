@@ -29,7 +29,7 @@ from transformers.generation.logits_process import (
 
 from lm_eval_safe.aggregate import Choice
 from lm_eval_safe.decoding import SafeDecoder
-from lm_eval_safe.options import OptionError
+from lm_eval_safe.options import OptionError, RequestError
 from lm_eval_safe.sampling import (
     RowSampler,
     SamplingParams,
@@ -278,7 +278,7 @@ def test_requests_are_checked_before_the_first_forward(
     monkeypatch.setattr("lm_eval_safe.batching.MemberBatch.run", no_forward)
     good = gen_request("the cat", until=[], max_gen_toks=2, do_sample=True, temperature=0.5)
     bad = gen_request("the cat", until=[], max_gen_toks=2, no_such_option=1)
-    with pytest.raises(OptionError, match="no_such_option"):
+    with pytest.raises(RequestError, match="^request 2: unknown generation kwarg 'no_such_option'"):
         lm.generate_until([good, good, bad], disable_tqdm=True)
 
 
