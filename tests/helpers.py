@@ -15,6 +15,17 @@ from lm_eval.api.instance import Instance
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "12", "dogs", "ran", "over", "3", "hills", "while", "Anna", "counted", "45", "apples", "in", "the", "garden", "because", "numbers", "like", "7", "and", "8", "sum", "to", "15", "so", "we", "write", "\\frac{1}{2}", "or", "\\boxed{42}", "café", "naïve", "über", "数学", "question", "answer", "total", "clips", "sold"]
 
 
+# (schedule, aggregator) pairs that together cover every schedule and aggregator
+SCHEDULES = [
+    ("safe", "gac"),
+    ("safe", "unite"),
+    ("aligned", "unite"),
+    ("every", "unite"),
+    ("threshold", "gac"),
+    ("drafter", "gac"),
+]
+
+
 def gen_request(context: str, **gen_kwargs: Any) -> Instance:
     return Instance(request_type="generate_until", doc={}, arguments=(context, gen_kwargs), idx=0)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import gen_request, make_lm, random_prompts
+from helpers import SCHEDULES, gen_request, make_lm, random_prompts
 
 from lm_eval_safe import batching
 from lm_eval_safe.batching import Forward, MemberBatch
@@ -76,16 +76,6 @@ def test_member_batch_matches_full_recompute(
         assert batch.lengths == [len(s) for s in seqs]
         assert batch.slots <= max(batch.lengths, default=0) + slack + 6, step
     assert checked > 100
-
-
-SCHEDULES = [
-    ("safe", "gac"),
-    ("safe", "unite"),
-    ("aligned", "unite"),
-    ("every", "unite"),
-    ("threshold", "gac"),
-    ("drafter", "gac"),
-]
 
 
 @pytest.mark.parametrize(("schedule", "aggregator"), SCHEDULES)

@@ -12,18 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import WORDS, gen_request, ll_request, make_lm
+from helpers import SCHEDULES, WORDS, gen_request, ll_request, make_lm
 
 from lm_eval_safe.prefix_cache import PrefixStore, new_cache
-
-SCHEDULES = [
-    ("safe", "gac"),
-    ("safe", "unite"),
-    ("aligned", "unite"),
-    ("every", "unite"),
-    ("threshold", "gac"),
-    ("drafter", "gac"),
-]
 
 
 def few_shot_prompts(n: int, seed: int = 0, shots: int = 3) -> list[str]:
