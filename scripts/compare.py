@@ -378,26 +378,38 @@ def run_one(
     model_args: str,
     gen_kwargs: dict[str, Any],
     task_manager: Any,
-) -> tuple[dict[str, Any], float]:
-    """One ``simple_evaluate`` call; returns (results, wall seconds incl. model loading)."""
+) -> tuple[dict[str, Any], float, bool]:
+    """One ``simple_evaluate`` call; returns (results, wall seconds incl. model loading,
+    whether the chat template was applied).
+
+    With ``--apply-chat-template`` a member alone that has no chat template (a base model)
+    runs on the plain prompt: that is what it sees inside the ensemble (each member renders
+    its own template, a member without one gets plain text), and the flag would otherwise stop
+    the whole leaderboard at that cell."""
     import lm_eval
+    from lm_eval.api.registry import get_model
 
     start = time.perf_counter()
+    lm = get_model("safe-ensemble").create_from_arg_string(model_args)
+    chat = args.apply_chat_template and any(
+        getattr(m.tokenizer, "chat_template", None) for m in lm.members
+    )
+    if args.apply_chat_template and not chat:
+        print(f"  {config.name}: no chat template; this cell runs on plain prompts", flush=True)
     results = lm_eval.simple_evaluate(
-        model="safe-ensemble",
-        model_args=model_args,
+        model=lm,
         tasks=[task],
         limit=args.limits[task],
         task_manager=task_manager,
         gen_kwargs=gen_kwargs or None,
-        apply_chat_template=args.apply_chat_template,
+        apply_chat_template=chat,
         log_samples=args.save_samples,
         bootstrap_iters=0,
     )
     wall = time.perf_counter() - start
     if results is None:  # non-zero rank in a distributed run
         raise SystemExit("simple_evaluate returned nothing (not rank 0?)")
-    return results, wall
+    return results, wall, chat
 
 
 def lm_eval_command(
@@ -497,6 +509,7 @@ def run_all(args: argparse.Namespace, configs: list[Config]) -> list[Outcome]:
                 print(f"{tag}: not run yet (--report-only)", flush=True)
                 continue
             print(f"{tag}: start (model_args={model_args})", flush=True)
+            chat = args.apply_chat_template
             if args.runner == "cli":
                 results, wall = run_cli(command, run_dir)
             else:
@@ -505,7 +518,9 @@ def run_all(args: argparse.Namespace, configs: list[Config]) -> list[Outcome]:
 
                     metadata = {} if args.data_dir is None else {"data_dir": str(args.data_dir)}
                     task_manager = TaskManager(include_path=str(TASKS_DIR), metadata=metadata)
-                results, wall = run_one(config, task, args, model_args, gen_kwargs, task_manager)
+                results, wall, chat = run_one(
+                    config, task, args, model_args, gen_kwargs, task_manager
+                )
             record = {
                 "format": CACHE_FORMAT,
                 "config": config.name,
@@ -513,7 +528,7 @@ def run_all(args: argparse.Namespace, configs: list[Config]) -> list[Outcome]:
                 "limit": args.limits[task],
                 "model_args": model_args,
                 "gen_kwargs": gen_kwargs,
-                "apply_chat_template": args.apply_chat_template,
+                "apply_chat_template": chat,
                 "wall_seconds": round(wall, 3),
                 "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                 "machine": machine_line(),

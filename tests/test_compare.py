@@ -214,3 +214,49 @@ def test_paper_preset_dry_run_prints_the_exact_commands(
         assert f"# {row}" in printed, row
     second = printed[printed.index("# qwen2.5-7b+exaone3.5-7.8b") :]
     assert "no paper numbers" in second.splitlines()[0] and "[paper" not in second
+
+
+def test_chat_template_leaderboard_runs_a_base_member_alone_on_plain_prompts(
+    compare: ModuleType,
+    tiny_bpe_dir: Path,
+    tiny_sp_dir: Path,
+    data_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--apply-chat-template`` with an instruct member and a base member (no template): the
+    base member alone runs on the plain prompt, as it does inside the ensemble, instead of the
+    backend's refusal stopping the leaderboard; the other cells use the template."""
+    import shutil
+
+    chat_dir = tiny_bpe_dir  # the tiny members carry chat templates; a copy of one without
+    base_dir = tmp_path / "tiny_base"
+    shutil.copytree(tiny_sp_dir, base_dir)
+    (base_dir / "chat_template.jinja").unlink()
+    config_path = base_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("chat_template", None)
+    config_path.write_text(json.dumps(config))
+
+    out = tmp_path / "out"
+    argv = [
+        "--members", f"{chat_dir},{base_dir}",
+        "--tasks", "safe_gsm8k", "--limit", "1", "--max-gen-toks", "3",
+        "--configs", "alone,unite-safe", "--apply-chat-template",
+        "--data-dir", str(data_dir), "--out", str(out),
+        "--model-args-extra", f"device=cpu,cache_dir={tmp_path / 'safe_cache'}",
+        "--save-samples",
+    ]  # fmt: skip
+    assert compare.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert f"alone:{base_dir.name}: no chat template; this cell runs on plain prompts" in printed
+    records = {
+        r["config"]: r
+        for r in (json.loads(p.read_text()) for p in (out / "cache").glob("*.json"))
+        if "summary" in r
+    }
+    assert {name: r["apply_chat_template"] for name, r in records.items()} == {
+        f"alone:{chat_dir.name}": True,
+        f"alone:{base_dir.name}": False,
+        "unite-safe": True,
+    }
