@@ -304,21 +304,14 @@ class SafeDecoder:
         now, in one line naming its document (``labels[i]``), not after hours of generation.
 
         Each member that will see a prompt renders (chat template) and encodes it; an empty
-        prompt, a template that refuses the conversation or a stop list that is not strings is a
-        :class:`RequestError`. (Prompts too long for a window are left-truncated, as lm-eval's
-        ``hf`` does; a budget that leaves no room is refused while parsing the request.)
+        prompt or a template that refuses the conversation is a :class:`RequestError`. (Stop
+        lists, budgets and sampling values are checked while parsing the request:
+        :func:`~lm_eval_safe.sampling.parse_gen_kwargs`. Prompts too long for a window are
+        left-truncated, as lm-eval's ``hf`` does.)
         Nothing is kept: :meth:`prompt_ids` encodes again when the job runs (memory stays flat
         however many jobs there are; encoding is cheap next to decoding)."""
         members = [self.drafter] + (self.verifiers if self.schedule != "drafter" else [])
-        for (context, until, *_), label in zip(jobs, labels, strict=True):
-            bad = (
-                [s for s in until if not isinstance(s, str)] if isinstance(until, list) else [until]
-            )
-            if bad:
-                raise RequestError(
-                    f"{label}: the stop strings (until) must be strings, not {bad[0]!r} "
-                    f"({type(bad[0]).__name__}); fix the task's generation_kwargs"
-                )
+        for (context, *_), label in zip(jobs, labels, strict=True):
             for member in members:
                 try:
                     self.encoded_prompt(member, context)
