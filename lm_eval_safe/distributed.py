@@ -7,6 +7,7 @@ is imported in a single-process run.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from dataclasses import dataclass
@@ -45,6 +46,10 @@ class ProcessGroup:
         use_cuda = torch.cuda.is_available()
         if not dist.is_initialized():
             dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timedelta(weeks=4))
+            # a group left to the interpreter's teardown can abort a rank at exit (seen once in
+            # CI: gloo's threads destroyed while joinable, "terminate called without an active
+            # exception", SIGABRT after the results were written); the group we made, we end
+            atexit.register(_destroy_process_group)
         rank, world = dist.get_rank(), dist.get_world_size()
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         device = None
@@ -84,3 +89,10 @@ class ProcessGroup:
     def barrier(self) -> None:
         if self.world_size > 1:
             self.backend.barrier()
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
