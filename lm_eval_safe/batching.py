@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from lm_eval_safe import kv_cache
 from lm_eval_safe.members import Member
-from lm_eval_safe.prefix_cache import new_cache
 
 logger = logging.getLogger(__name__)
 
@@ -40,23 +40,6 @@ class Forward:
     keep: int
     ids: list[int]
     want: list[int] = field(default_factory=list)
-
-
-def crop_cache(cache: Any, length: int) -> None:
-    current = cache.get_seq_length()
-    if length < current:
-        cache.crop(length - current)
-
-
-def _layers(cache: Any) -> list[Any]:
-    return [layer for layer in cache.layers if getattr(layer, "is_initialized", False)]
-
-
-def _map_states(cache: Any, change: Any) -> None:
-    """Replace every layer's keys and values ``[rows, heads, slots, dim]`` by ``change(t)``."""
-    for layer in _layers(cache):
-        layer.keys = change(layer.keys)
-        layer.values = change(layer.values)
 
 
 def _vocab_logprobs(member: Member, logits: torch.Tensor) -> torch.Tensor:
@@ -85,22 +68,13 @@ def forward_logprobs(
     else:
         # on cpu: with device_map=auto the hidden states it indexes sit on the last device
         to_keep = torch.tensor(keep if keep else [len(ids) - 1], dtype=torch.long)
-    out = member.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=to_keep)
+    out = kv_cache.run(member.model, cache, input_ids=input_ids, logits_to_keep=to_keep)
     logits = out.logits[0]
     if isinstance(keep, int):
         logits = logits[-keep:]
     elif not keep:
         logits = logits[:0]
     return _vocab_logprobs(member, logits)
-
-
-def _output_layer(member: Member, hidden: torch.Tensor) -> torch.Tensor:
-    model = member.model
-    logits = model.get_output_embeddings()(hidden)
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap is not None:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
 
 
 @torch.inference_mode()
@@ -116,7 +90,8 @@ def _head_matches_model(member: Member) -> bool:
                 [[member.prefix_token_id, member.prefix_token_id]], device=member.input_device
             )
             full = model(input_ids=ids).logits
-            mine = _output_layer(member, model.base_model(input_ids=ids).last_hidden_state)
+            hidden = kv_cache.decoder(model)(input_ids=ids).last_hidden_state
+            mine = kv_cache.output_logits(model, hidden)
             matches = bool(torch.allclose(mine.float(), full.float(), atol=1e-4, rtol=1e-4))
         member.extra["batched_head"] = matches
     return bool(member.extra["batched_head"])
@@ -150,7 +125,9 @@ class MemberBatch:
         pad = torch.full((1, self.slots), -1, dtype=torch.long)
         self.positions = torch.cat([self.positions, pad]) if self.rows > 1 else pad
         if self.cache is not None:
-            _map_states(self.cache, lambda t: torch.cat([t, t.new_zeros((1, *t.shape[1:]))]))
+            kv_cache.map_states(
+                self.cache, lambda t: torch.cat([t, t.new_zeros((1, *t.shape[1:]))])
+            )
         return self.rows - 1
 
     def keep_rows(self, rows: list[int]) -> None:
@@ -165,7 +142,7 @@ class MemberBatch:
                 self.cache = None
                 self.positions = torch.empty((0, 0), dtype=torch.long)
                 return
-            _map_states(self.cache, lambda t: t.index_select(0, index.to(t.device)))
+            kv_cache.map_states(self.cache, lambda t: t.index_select(0, index.to(t.device)))
         self._trim()
 
     def truncate(self, row: int, length: int) -> None:
@@ -204,7 +181,7 @@ class MemberBatch:
         to the store for later requests."""
         store = self.member.prefix_store
         if store is None:
-            cache, reused = new_cache(), 0
+            cache, reused = kv_cache.new_cache(), 0
         else:
             first_wanted = min(call.want, default=len(call.ids) - 1)
             reused, cache = store.lookup(call.ids, limit=first_wanted)
@@ -227,7 +204,7 @@ class MemberBatch:
             self.cache = cache
             width = length
             self.positions = torch.full((self.rows, width), -1, dtype=torch.long)
-            _map_states(self.cache, lambda t: t.expand(self.rows, -1, -1, -1).clone())
+            kv_cache.map_states(self.cache, lambda t: t.expand(self.rows, -1, -1, -1).clone())
             self.positions[row] = torch.arange(length)
             return
         grow = length - self.slots
@@ -235,16 +212,14 @@ class MemberBatch:
             self.positions = torch.cat(
                 [torch.full((self.rows, grow), -1, dtype=torch.long), self.positions], dim=1
             )
-            _map_states(
+            kv_cache.map_states(
                 self.cache,
                 lambda t: torch.cat([t.new_zeros((*t.shape[:2], grow, t.shape[3])), t], dim=2),
             )
         start = self.slots - length
         self.positions[row] = -1
         self.positions[row, start:] = torch.arange(length)
-        for mine, theirs in zip(_layers(self.cache), _layers(cache), strict=True):
-            mine.keys[row, :, start:] = theirs.keys[0]
-            mine.values[row, :, start:] = theirs.values[0]
+        kv_cache.write_row(self.cache, row, start, cache)
 
     def _trim(self) -> None:
         """Crop trailing slots that no row uses (a lone row's rollback becomes a plain crop)."""
@@ -253,7 +228,7 @@ class MemberBatch:
         used = (self.positions >= 0).any(dim=0).nonzero()
         keep = int(used.max()) + 1 if used.numel() else 0
         if keep < self.slots:
-            crop_cache(self.cache, keep)
+            kv_cache.crop(self.cache, keep)
             self.positions = self.positions[:, :keep]
 
     def _maybe_compact(self) -> None:
@@ -269,7 +244,7 @@ class MemberBatch:
         gather = order.clamp_min(0)
         new_positions = torch.where(order >= 0, self.positions.gather(1, gather), -1)
         index = gather[:, None, :, None]
-        _map_states(
+        kv_cache.map_states(
             self.cache,
             lambda t: t.gather(2, index.to(t.device).expand(-1, t.shape[1], -1, t.shape[3])),
         )
@@ -299,17 +274,19 @@ class MemberBatch:
         rows = sorted(calls)
         subset = 2 * len(rows) <= self.rows
         local = {row: i for i, row in enumerate(rows)} if subset else {r: r for r in calls}
-        cache = self._rows_cache(rows) if subset else self.cache
+        cache = kv_cache.select_rows(self.cache, rows) if subset else self.cache
         pick = torch.tensor(rows) if subset else slice(None)
-        out = member.model.base_model(
+        out = kv_cache.run(
+            kv_cache.decoder(member.model),
+            cache,
             input_ids=input_ids[pick].to(device),
-            attention_mask=self._mask_argument(key_pos[pick], query_pos[pick]),
+            attention_mask=kv_cache.attention_mask(
+                member.model, key_pos[pick], query_pos[pick], device
+            ),
             position_ids=query_pos[pick].clamp_min(0).to(device),
-            cache=cache,
-            use_cache=True,
         )
         if subset:
-            self._append_rows(cache, rows, width)
+            kv_cache.append_rows(self.cache, cache, rows, width)
         hidden = out.last_hidden_state
         picks = [(local[row], i) for row, call in calls.items() for i in call.want]
         results: dict[int, torch.Tensor] = {}
@@ -327,37 +304,6 @@ class MemberBatch:
         self.positions = key_pos
         return results
 
-    def _rows_cache(self, rows: list[int]) -> Any:
-        """A separate cache holding copies of these rows' slots (the batch's cache is untouched)."""
-        from transformers.cache_utils import DynamicLayer
-
-        sub = new_cache()
-        for layer in self.cache.layers:
-            copy = DynamicLayer()
-            if getattr(layer, "is_initialized", False):
-                index = torch.tensor(rows, device=layer.keys.device)
-                keys, values = (
-                    layer.keys.index_select(0, index),
-                    layer.values.index_select(0, index),
-                )
-                copy.lazy_initialization(keys, values)
-                copy.keys, copy.values = keys, values
-            sub.layers.append(copy)
-        return sub
-
-    def _append_rows(self, sub: Any, rows: list[int], width: int) -> None:
-        """Append ``width`` slots to every row: the sub-batch's new states for ``rows``, zeros
-        (holes, masked by position -1) for the others."""
-        for mine, theirs in zip(self.cache.layers, sub.layers, strict=True):
-            if not getattr(mine, "is_initialized", False):
-                continue
-            index = torch.tensor(rows, device=mine.keys.device)
-            for name in ("keys", "values"):
-                old = getattr(mine, name)
-                new = old.new_zeros((old.shape[0], old.shape[1], width, old.shape[3]))
-                new[index] = getattr(theirs, name)[:, :, -width:]
-                setattr(mine, name, torch.cat([old, new], dim=2))
-
     # -- model specifics -----------------------------------------------------------------
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output layer on chosen hidden states (``logits_to_keep`` selects the same columns
@@ -366,71 +312,12 @@ class MemberBatch:
             raise NotImplementedError(
                 f"batch_size>1 cannot reproduce {type(self.member.model).__name__}'s output layer; use batch_size=1"
             )
-        return _output_layer(self.member, hidden)
-
-    def _mask_argument(self, key_pos: torch.Tensor, query_pos: torch.Tensor) -> Any:
-        """The 4D attention mask (or one per layer type) from real positions: causal, minus
-        holes and padding, within each layer's sliding window. A padded query attends to itself
-        only, so its (unused) output stays finite and never leaks NaN into the cache."""
-        config = self.member.model.config
-        layer_types = getattr(config, "layer_types", None)
-        window = getattr(config, "sliding_window", None)
-        if not layer_types:
-            use = window if getattr(config, "use_sliding_window", True) else None
-            return self._mask(key_pos, query_pos, use)
-        masks = {}
-        for kind in set(layer_types):
-            if kind == "full_attention":
-                masks[kind] = self._mask(key_pos, query_pos, None)
-            elif kind == "sliding_attention":
-                masks[kind] = self._mask(key_pos, query_pos, window)
-            else:
-                raise NotImplementedError(
-                    f"batch_size>1 does not support {kind!r} layers ({type(self.member.model).__name__}); use batch_size=1"
-                )
-        return masks
-
-    def _mask(
-        self, key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None
-    ) -> torch.Tensor:
-        keys = key_pos[:, None, :]
-        queries = query_pos[:, :, None]
-        allowed = (keys >= 0) & (keys <= queries)
-        if window is not None:
-            allowed &= queries - keys < window
-        width = query_pos.shape[1]
-        own = torch.zeros_like(allowed)
-        own[:, :, -width:] = torch.eye(width, dtype=torch.bool)
-        allowed = torch.where(queries < 0, own, allowed)[:, None]
-        implementation = getattr(self.member.model.config, "_attn_implementation", "sdpa")
-        device = self.member.input_device
-        if implementation == "sdpa":
-            return allowed.to(device)
-        if implementation == "eager":
-            dtype = self.member.model.dtype
-            return (
-                torch.zeros(allowed.shape, dtype=dtype)
-                .masked_fill(~allowed, torch.finfo(dtype).min)
-                .to(device)
-            )
-        raise NotImplementedError(
-            f"batch_size>1 needs sdpa or eager attention; {self.member.name} uses {implementation!r}"
-        )
+        return kv_cache.output_logits(self.member.model, hidden)
 
 
 # batch_size=auto on CPU: rows decoded together. Past about 8 rows a CPU's matrix units are
 # busy and more rows only add latency (scripts/bench_batch.py measures the curve).
 AUTO_CPU_ROWS = 8
-
-
-def kv_bytes_per_token(member: Member) -> int:
-    """KV-cache bytes one token costs this member (keys and values, every layer)."""
-    config = member.model.config
-    config = getattr(config, "text_config", None) or config
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    element = torch.finfo(member.model.dtype).bits // 8
-    return 2 * config.num_hidden_layers * heads * head_dim * element
 
 
 def generation_batch_size(options: Any, members: list[Member], jobs: list[Any]) -> int:
@@ -450,7 +337,7 @@ def generation_batch_size(options: Any, members: list[Member], jobs: list[Any]) 
     per_row = {d: 0 for d in devices}
     for member in members:
         tokens = min(longest, member.max_length)
-        per_row[member.input_device] += kv_bytes_per_token(member) * tokens * 2  # cat copies
+        per_row[member.input_device] += kv_cache.kv_bytes_per_token(member.model) * tokens * 2  # cat copies
     rows = min(
         torch.cuda.mem_get_info(device)[0] // 2 // max(1, need) for device, need in per_row.items()
     )

@@ -23,20 +23,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+from lm_eval_safe import kv_cache
 
 logger = logging.getLogger(__name__)
 
 BLOCK = 16
-States = list[tuple[torch.Tensor, torch.Tensor] | None]  # per layer; None: a layer with no cache
-
-
-def new_cache(states: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None) -> Any:
-    """A transformers ``DynamicCache`` without a config: every layer keeps its full states, so
-    sliding-window models can be cropped and extended anywhere (the mask applies the window)."""
-    from transformers import DynamicCache
-
-    return DynamicCache(ddp_cache_data=states) if states else DynamicCache()
 
 
 @dataclass(eq=False)
@@ -44,7 +35,7 @@ class _Block:
     serial: int
     parent: _Block | None
     ids: tuple[int, ...]
-    states: States
+    states: list[kv_cache.LayerStates]
     nbytes: int
     children: int = 0
     used: int = 0
@@ -96,48 +87,27 @@ class PrefixStore:
         self.looked_up_tokens += len(ids)
         chain = self._chain(ids, limit)
         if not chain:
-            return 0, new_cache()
+            return 0, kv_cache.new_cache()
         self._touch(chain)
-        layers = zip(*(stored.states for stored in chain), strict=True)
-        states = [
-            (None, None)
-            if parts[0] is None
-            else (
-                torch.cat([p[0] for p in parts], dim=2),  # type: ignore[index]
-                torch.cat([p[1] for p in parts], dim=2),  # type: ignore[index]
-            )
-            for parts in layers
-        ]
+        states = kv_cache.concat_slots([stored.states for stored in chain])
         reused = len(chain) * self.block
         self.reused_tokens += reused
-        return reused, new_cache(states)
+        return reused, kv_cache.new_cache(states)
 
     def add(self, ids: list[int], cache: Any, row: int = 0, offset: int = 0) -> None:
         """Store the whole blocks of ``ids``, whose states sit in batch row ``row`` of ``cache``
         at slots ``offset .. offset + len(ids) - 1`` (copies: the cache may change later)."""
         if self.budget <= 0:
             return
-        layers = list(cache.layers)
         parent: _Block | None = None
         chain = []
         for start in range(0, len(ids) - self.block + 1, self.block):
             key = (parent.serial if parent else 0, tuple(ids[start : start + self.block]))
             stored = self._blocks.get(key)
             if stored is None:
-                begin, end = offset + start, offset + start + self.block
-                states: States = [
-                    (
-                        layer.keys[row : row + 1, :, begin:end].clone(),
-                        layer.values[row : row + 1, :, begin:end].clone(),
-                    )
-                    if getattr(layer, "is_initialized", False)
-                    else None
-                    for layer in layers
-                ]
-                nbytes = sum(
-                    k.numel() * k.element_size() + v.numel() * v.element_size()
-                    for k, v in (s for s in states if s is not None)
-                )
+                begin = offset + start
+                states = kv_cache.row_states(cache, row, begin, begin + self.block)
+                nbytes = kv_cache.states_nbytes(states)
                 stored = _Block(next(self._serials), parent, key[1], states, nbytes)
                 self._blocks[key] = stored
                 self.bytes += nbytes

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from lm_eval_safe import kv_cache
 from lm_eval_safe.members import Member
-from lm_eval_safe.prefix_cache import new_cache
 from lm_eval_safe.small_rows import small_row_linears
 from lm_eval_safe.vocabulary import is_char_boundary
 
@@ -160,20 +160,6 @@ def _pick(
     return picked, logits.argmax(dim=-1) == targets
 
 
-def _select_cache(cache: Any, rows: torch.Tensor) -> Any:
-    """A new cache holding the given batch rows (repeats allowed): one row per choice.
-
-    Each layer is indexed on its own device: under ``device_map`` layers live on several GPUs."""
-    from transformers import DynamicCache
-
-    def pick(states: torch.Tensor) -> torch.Tensor:
-        return states[rows.to(states.device)]
-
-    return DynamicCache(
-        ddp_cache_data=[(pick(layer.keys), pick(layer.values)) for layer in cache.layers]
-    )
-
-
 def _left_padded(ids: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of ``ids`` right-aligned in one tensor, and the mask of their real tokens."""
     width = max(len(row) for row in ids)
@@ -203,29 +189,13 @@ def _contexts_forward(
         caches, firsts = [], []
         for ctx in contexts:
             reused, cache = store.lookup(ctx)
-            logits = model(
-                input_ids=torch.tensor([ctx[reused:]], device=device),
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
+            logits = kv_cache.run(
+                model, cache, input_ids=torch.tensor([ctx[reused:]], device=device), logits_to_keep=1
             ).logits
             firsts.append(logits[0, -1, :vocab].float())
             store.add(ctx, cache)
             caches.append(cache)
-        states = []
-        for layers in zip(*(c.layers for c in caches), strict=True):
-            if not getattr(layers[0], "is_initialized", False):
-                states.append((None, None))
-                continue
-            laid_out = []
-            for name in ("keys", "values"):
-                parts = [getattr(layer, name) for layer in layers]
-                out = parts[0].new_zeros((len(parts), *parts[0].shape[1:2], width, parts[0].shape[3]))
-                for b, part in enumerate(parts):
-                    out[b, :, width - part.shape[2] :] = part[0]
-                laid_out.append(out)
-            states.append((laid_out[0], laid_out[1]))
-        return torch.stack(firsts), new_cache(states)
+        return torch.stack(firsts), kv_cache.stack_left_padded(caches, width)
     ids, mask = _left_padded(contexts, member.tokenizer.pad_token_id or 0)
     extra: dict[str, torch.Tensor] = {}
     if any(len(ctx) != width for ctx in contexts):  # positions count real tokens, pads masked
@@ -233,10 +203,8 @@ def _contexts_forward(
             "attention_mask": mask.to(device),
             "position_ids": (mask.cumsum(-1) - 1).clamp(min=0).to(device),
         }
-    cache = new_cache() if keep_cache else None
-    logits = model(
-        input_ids=ids.to(device), cache=cache, use_cache=keep_cache, logits_to_keep=1, **extra
-    ).logits
+    cache = kv_cache.new_cache() if keep_cache else None
+    logits = kv_cache.run(model, cache, input_ids=ids.to(device), logits_to_keep=1, **extra).logits
     if store is not None:
         for b, ctx in enumerate(contexts):
             store.looked_up_tokens += len(ctx)
@@ -277,7 +245,7 @@ def _score_batch(
     for r, (_, _, cont) in enumerate(rows):
         feed[r, : len(cont) - 1] = torch.tensor(cont[:-1])
         targets[r, : len(cont) - 1] = torch.tensor(cont[1:])
-    cache = _select_cache(cache, row_groups)
+    cache = kv_cache.select_rows(cache, row_groups)
     ctx_mask = mask[row_groups]
     base = torch.tensor(lengths, dtype=torch.long)[row_groups]
     step = max(1, LOGITS_BUDGET // max(1, len(rows) * vocab))
@@ -292,9 +260,7 @@ def _score_batch(
                 ).to(device),
                 "position_ids": (base.unsqueeze(1) + torch.arange(start, stop)).to(device),
             }
-        logits = model(
-            input_ids=feed[:, start:stop].to(device), cache=cache, use_cache=True, **extra
-        ).logits
+        logits = kv_cache.run(model, cache, input_ids=feed[:, start:stop].to(device), **extra).logits
         lp, hit = _pick(logits, targets[:, start:stop].to(logits.device), vocab)
         lps.append(lp.cpu())
         greedy.append(hit.cpu())

@@ -14,7 +14,8 @@ import pytest
 import torch
 from helpers import SCHEDULES, WORDS, gen_request, ll_request, make_lm
 
-from lm_eval_safe.prefix_cache import PrefixStore, new_cache
+from lm_eval_safe.kv_cache import new_cache
+from lm_eval_safe.prefix_cache import PrefixStore
 
 
 def few_shot_prompts(n: int, seed: int = 0, shots: int = 3) -> list[str]:
@@ -230,7 +231,9 @@ def test_scored_contexts_store_their_own_states(
             reused, cache = store.lookup(ctx)
             assert reused >= len(ctx) - store.block, round_
             fresh = new_cache()
-            member.model(input_ids=torch.tensor([ctx[:reused]]), cache=fresh, use_cache=True)
+            # transformers' own keyword of 4.57 (still taken, deprecated, by 5.x): independent of
+            # the adapter's choice
+            member.model(input_ids=torch.tensor([ctx[:reused]]), past_key_values=fresh, use_cache=True)
             for mine, theirs in zip(cache.layers, fresh.layers, strict=True):
                 assert torch.allclose(mine.keys, theirs.keys, atol=1e-10)
                 assert torch.allclose(mine.values, theirs.values, atol=1e-10)

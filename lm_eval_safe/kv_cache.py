@@ -1,0 +1,338 @@
+"""The one module that knows transformers' internals: KV caches, the forward's cache keyword,
+attention masks built from real positions, the output head, and the config fields they read.
+
+Batching, the prefix store and scoring all keep keys and values of one model across calls and
+move rows of them around. Everything else in the package sees caches as opaque objects handed
+to and from the functions here, so a new transformers release touches this file only (as
+vLLM's ``KVCacheBlocks`` hides its manager's data structure from the scheduler).
+
+Supported API generations (chosen once per model class or at import, by feature, never by a
+default for an attribute that is missing):
+
+- **Cache objects** (transformers 4.57 and 5.x alike): ``DynamicCache`` holds a list
+  ``layers`` of ``DynamicLayer`` with tensors ``keys``/``values`` ``[rows, heads, slots, dim]``
+  and a flag ``is_initialized``. What changed between the two generations is avoided, not
+  branched on: ``lazy_initialization`` took ``(keys)`` in 4.57 and takes ``(keys, values)`` in
+  5.x, ``DynamicCache(ddp_cache_data=...)`` accepts empty layers only in 5.x, and
+  ``DynamicLayer.crop`` refuses a positive length in 5.x. Here layers are filled with
+  ``update(keys, values)`` (the same in both) and cropped by slicing the tensors. Any layer of
+  another class (a sliding-window, static or quantized layer) is refused: its states do not
+  mean what this code assumes.
+- **The forward's cache keyword**: transformers 5.x renamed ``past_key_values`` to ``cache``
+  (the old name is deprecated); 4.57, and models shipping their own code
+  (``trust_remote_code``) on any version, take ``past_key_values``. A keyword a forward does
+  not declare is swallowed by its ``**kwargs`` and the model runs *without* the cache, wrong
+  by up to 20 nats and with no error (what transformers 4.57 did with ``cache=``), so the
+  keyword is read from each model class's signature, and a forward that declares neither
+  name is refused.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+#: One layer's states ``(keys, values)``, or None for a layer that holds nothing (a layer
+#: that shares another's states never fills its own).
+LayerStates = tuple[torch.Tensor, torch.Tensor] | None
+
+_CACHE_KEYWORDS: dict[type, str] = {}
+
+
+class UnsupportedModelError(NotImplementedError):
+    """A model or cache this module cannot drive faithfully; the message says what to do."""
+
+
+# -- caches -----------------------------------------------------------------------------------
+def new_cache(states: Sequence[LayerStates] | None = None) -> Any:
+    """A ``DynamicCache`` without a config, optionally filled with ``states`` (copies).
+
+    Without a config every layer keeps its full states, so a sliding-window model can be
+    cropped and extended anywhere; the masks built here apply the window."""
+    cache = DynamicCache()
+    for layer_states in states or ():
+        layer = DynamicLayer()
+        if layer_states is not None:
+            layer.update(*layer_states)
+        cache.layers.append(layer)
+    return cache
+
+
+def _layers(cache: Any) -> list[Any]:
+    layers = cache.layers
+    for layer in layers:
+        if type(layer) is not DynamicLayer:
+            raise UnsupportedModelError(
+                f"a cache layer of type {type(layer).__name__}: lm-eval-safe manages "
+                "DynamicLayer states only; report the model and the transformers version"
+            )
+    return layers
+
+
+def layer_states(cache: Any) -> list[LayerStates]:
+    """Each layer's ``(keys, values)``, None where the layer holds nothing."""
+    return [(layer.keys, layer.values) if layer.is_initialized else None for layer in _layers(cache)]
+
+
+def seq_length(cache: Any) -> int:
+    """Slots held (the first filled layer's; all filled layers hold the same number)."""
+    for states in layer_states(cache):
+        if states is not None:
+            return int(states[0].shape[2])
+    return 0
+
+
+def map_states(cache: Any, change: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Replace every filled layer's keys and values ``[rows, heads, slots, dim]`` by
+    ``change(t)`` (rows added, dropped or reordered, slots widened or gathered)."""
+    for layer in _layers(cache):
+        if layer.is_initialized:
+            layer.keys = change(layer.keys)
+            layer.values = change(layer.values)
+
+
+def crop(cache: Any, length: int) -> None:
+    """Keep the first ``length`` slots of every row."""
+    map_states(cache, lambda t: t[:, :, :length] if t.shape[2] > length else t)
+
+
+def select_rows(cache: Any, rows: torch.Tensor | list[int]) -> Any:
+    """A new cache holding copies of the given rows (repeats allowed: one row per choice of a
+    multiple-choice context). Each layer is indexed on its own device (``device_map`` spreads
+    layers over several GPUs)."""
+    index = torch.as_tensor(rows, dtype=torch.long)
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t.index_select(0, index.to(t.device))
+
+    return new_cache(
+        [None if s is None else (pick(s[0]), pick(s[1])) for s in layer_states(cache)]
+    )
+
+
+def row_states(cache: Any, row: int, begin: int, end: int) -> list[LayerStates]:
+    """Copies of slots ``begin:end`` of one row, per layer (kept while the cache changes)."""
+    return [
+        None
+        if s is None
+        else (s[0][row : row + 1, :, begin:end].clone(), s[1][row : row + 1, :, begin:end].clone())
+        for s in layer_states(cache)
+    ]
+
+
+def write_row(cache: Any, row: int, start: int, source: Any) -> None:
+    """Copy the single row of ``source`` into ``row`` of ``cache`` from slot ``start`` on."""
+    for mine, theirs in zip(layer_states(cache), layer_states(source), strict=True):
+        if (mine is None) != (theirs is None):
+            raise UnsupportedModelError("two caches of one model disagree on which layers hold states")
+        if mine is not None and theirs is not None:
+            width = theirs[0].shape[2]
+            mine[0][row, :, start : start + width] = theirs[0][0]
+            mine[1][row, :, start : start + width] = theirs[1][0]
+
+
+def append_rows(cache: Any, source: Any, rows: list[int], width: int) -> None:
+    """Append ``width`` slots to every row of ``cache``: the last ``width`` slots of
+    ``source`` (a cache of just ``rows``, in order) for those rows, zeros for the others
+    (holes, which the masks exclude)."""
+
+    def grown(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        part = old.new_zeros((old.shape[0], old.shape[1], width, old.shape[3]))
+        part[torch.tensor(rows, device=old.device)] = new[:, :, -width:]
+        return torch.cat([old, part], dim=2)
+
+    for layer, theirs in zip(_layers(cache), layer_states(source), strict=True):
+        if layer.is_initialized and theirs is not None:
+            layer.keys = grown(layer.keys, theirs[0])
+            layer.values = grown(layer.values, theirs[1])
+
+
+def stack_left_padded(caches: Sequence[Any], width: int) -> Any:
+    """One cache whose row ``b`` holds ``caches[b]``'s single row right-aligned in ``width``
+    slots (zeros before it, masked by the caller's attention mask)."""
+    stacked: list[LayerStates] = []
+    for parts in zip(*(layer_states(c) for c in caches), strict=True):
+        if any(p is None for p in parts):
+            if not all(p is None for p in parts):
+                raise UnsupportedModelError("caches of one model disagree on which layers hold states")
+            stacked.append(None)
+            continue
+        pair = []
+        for k in (0, 1):
+            tensors = [p[k] for p in parts]  # type: ignore[index]
+            first = tensors[0]
+            out = first.new_zeros((len(tensors), first.shape[1], width, first.shape[3]))
+            for b, t in enumerate(tensors):
+                out[b, :, width - t.shape[2] :] = t[0]
+            pair.append(out)
+        stacked.append((pair[0], pair[1]))
+    return new_cache(stacked)
+
+
+def concat_slots(chunks: Sequence[Sequence[LayerStates]]) -> list[LayerStates]:
+    """Per layer, the states of consecutive chunks (each a :func:`row_states` result)
+    concatenated along the slots."""
+    out: list[LayerStates] = []
+    for parts in zip(*chunks, strict=True):
+        if parts[0] is None:
+            out.append(None)
+        else:
+            out.append(
+                (
+                    torch.cat([p[0] for p in parts], dim=2),  # type: ignore[index]
+                    torch.cat([p[1] for p in parts], dim=2),  # type: ignore[index]
+                )
+            )
+    return out
+
+
+def states_nbytes(states: Sequence[LayerStates]) -> int:
+    return sum(
+        k.numel() * k.element_size() + v.numel() * v.element_size()
+        for k, v in (s for s in states if s is not None)
+    )
+
+
+# -- running a model with a cache -------------------------------------------------------------
+def cache_keyword(module: Any) -> str:
+    """The keyword under which ``module.forward`` takes a cache (see the module docstring),
+    read once per class from its signature."""
+    cls = type(module)
+    keyword = _CACHE_KEYWORDS.get(cls)
+    if keyword is None:
+        parameters = inspect.signature(cls.forward).parameters
+        if "cache" in parameters:
+            keyword = "cache"
+        elif "past_key_values" in parameters:
+            keyword = "past_key_values"
+        else:
+            raise UnsupportedModelError(
+                f"{cls.__name__}.forward takes neither cache= nor past_key_values=; "
+                "lm-eval-safe cannot keep its KV cache"
+            )
+        _CACHE_KEYWORDS[cls] = keyword
+    return keyword
+
+
+def run(module: Any, cache: Any | None, **inputs: Any) -> Any:
+    """``module(**inputs)`` with ``cache`` under the keyword its forward declares (None: no
+    cache is kept)."""
+    if cache is None:
+        return module(use_cache=False, **inputs)
+    return module(use_cache=True, **{cache_keyword(module): cache}, **inputs)
+
+
+def decoder(model: Any) -> Any:
+    """The model without its output head (the module returning ``last_hidden_state``).
+
+    ``model.base_model`` is that module for most architectures, but in transformers 4.57
+    Gemma-3's causal LM names a ``base_model_prefix`` it does not have, so ``base_model`` is the
+    whole model; ``get_decoder()`` finds the body in 4.57 and 5.x alike."""
+    body = model.get_decoder()
+    if body is model:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no separate decoder body: use batch_size=1"
+        )
+    return body
+
+
+def text_config(model: Any) -> Any:
+    """The decoder's config (a multimodal config nests it as ``text_config``)."""
+    return model.config.get_text_config()
+
+
+_CONFIG_FIELDS: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def config_field(model: Any, name: str) -> Any:
+    """A field of the decoder config that only some architectures define (``sliding_window``,
+    ``layer_types``, ``final_logit_softcapping``, ``head_dim``...): None where this
+    architecture's config has no such field, which is what its own modeling code then reads.
+    The config is read as data (``to_dict``, once per model), not probed for attributes."""
+    fields = _CONFIG_FIELDS.get(model)
+    if fields is None:
+        fields = _CONFIG_FIELDS[model] = text_config(model).to_dict()
+    return fields.get(name)
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """KV-cache bytes one token costs (keys and values, every layer)."""
+    config = text_config(model)
+    heads = config_field(model, "num_key_value_heads") or config.num_attention_heads
+    head_dim = config_field(model, "head_dim") or config.hidden_size // config.num_attention_heads
+    element = torch.finfo(model.dtype).bits // 8
+    return 2 * config.num_hidden_layers * heads * head_dim * element
+
+
+def output_logits(model: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """The output layer (and Gemma's final logit soft-capping) on chosen hidden states."""
+    logits = model.get_output_embeddings()(hidden)
+    cap = config_field(model, "final_logit_softcapping")
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+# -- attention masks from real positions ------------------------------------------------------
+def attention_mask(
+    model: Any, key_pos: torch.Tensor, query_pos: torch.Tensor, device: Any
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The 4D attention mask (or one per layer type) of a batch whose cache slots carry real
+    positions (``-1``: a hole or padding): causal, minus holes and padding, within each layer
+    type's sliding window. A padded query (position -1) attends to itself only, so its unused
+    output stays finite and never leaks NaN into the cache.
+
+    transformers takes a ready 4D mask as it is (4.57 and 5.x), and a dict of them for
+    models with several layer types (Gemma-3's sliding and full layers)."""
+    config = text_config(model)
+    implementation = config._attn_implementation
+    if implementation not in ("sdpa", "eager"):
+        raise UnsupportedModelError(
+            f"batch_size>1 needs sdpa or eager attention; this model uses {implementation!r}: "
+            "use batch_size=1"
+        )
+    layer_types = config_field(model, "layer_types")
+    window = config_field(model, "sliding_window")
+    if not layer_types:
+        uses_window = config_field(model, "use_sliding_window")
+        use = window if uses_window is None or uses_window else None
+        return _mask(key_pos, query_pos, use, implementation, model.dtype, device)
+    masks = {}
+    for kind in set(layer_types):
+        if kind == "full_attention":
+            masks[kind] = _mask(key_pos, query_pos, None, implementation, model.dtype, device)
+        elif kind == "sliding_attention":
+            masks[kind] = _mask(key_pos, query_pos, window, implementation, model.dtype, device)
+        else:
+            raise UnsupportedModelError(
+                f"batch_size>1 does not support {kind!r} layers ({type(model).__name__}); use batch_size=1"
+            )
+    return masks
+
+
+def _mask(
+    key_pos: torch.Tensor,
+    query_pos: torch.Tensor,
+    window: int | None,
+    implementation: str,
+    dtype: torch.dtype,
+    device: Any,
+) -> torch.Tensor:
+    keys = key_pos[:, None, :]
+    queries = query_pos[:, :, None]
+    allowed = (keys >= 0) & (keys <= queries)
+    if window is not None:
+        allowed &= queries - keys < window
+    width = query_pos.shape[1]
+    own = torch.zeros_like(allowed)
+    own[:, :, -width:] = torch.eye(width, dtype=torch.bool)
+    allowed = torch.where(queries < 0, own, allowed)[:, None]
+    if implementation == "sdpa":
+        return allowed.to(device)
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min).to(device)

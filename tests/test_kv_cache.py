@@ -1,0 +1,194 @@
+"""The transformers adapter (``lm_eval_safe/kv_cache.py``) and the guards that catch a cache API
+misread on any supported transformers version.
+
+The guards compare what the package computes through kept KV caches (a batch with rollbacks in
+test_batching.py; here the prefix store and scoring contexts) against transformers' own forward
+of each whole sequence *without* any cache. On transformers 4.57 an earlier version passed its
+cache under a keyword that model did not declare, so every forward silently ran without its
+past: these comparisons are what fails then. Float64, so only the logic can differ.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import WORDS
+
+from lm_eval_safe import kv_cache
+from lm_eval_safe.batching import Forward, MemberBatch
+from lm_eval_safe.members import load_member
+from lm_eval_safe.scoring import score_tokens
+
+
+def _full_logprobs(member, ids: list[int]) -> torch.Tensor:
+    """transformers' forward over the whole sequence, no cache: the independent reference."""
+    with torch.inference_mode():
+        logits = member.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+    return torch.log_softmax(logits[:, : len(member.vocab)].double(), dim=-1)
+
+
+def _shared_prefix_prompts(member, n: int, seed: int) -> list[list[int]]:
+    """Token ids of prompts that share a few-shot prefix of several store blocks."""
+    rng = random.Random(seed)
+    exemplars = " ".join(rng.choice(WORDS) for _ in range(60))
+    texts = [f"{exemplars} Q: {' '.join(rng.choice(WORDS) for _ in range(rng.randint(2, 9)))}" for _ in range(n)]
+    return [member.encode(t) for t in texts]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_prefix_store_rows_match_full_recompute(
+    tiny_bpe_dir: Path, tiny_gemma_dir: Path, family: str
+) -> None:
+    """Prompts sharing exemplars go through one batch: each after the first starts from the
+    prefix store's states, is spliced into its row, then decodes with rollbacks. Every returned
+    distribution equals a cache-free forward of the row's whole sequence."""
+    member = load_member(str(tiny_bpe_dir if family == "llama" else tiny_gemma_dir), dtype="float64")
+    prompts = _shared_prefix_prompts(member, 4, seed=3)
+    rng = random.Random(5)
+    batch = MemberBatch(member)
+    seqs: list[list[int]] = []
+    checked = 0
+    for prompt in prompts:
+        row = batch.add_row()
+        seqs.append([])
+        out = batch.run({row: Forward(0, 0, prompt, [len(prompt) - 1])})
+        seqs[row] = list(prompt)
+        torch.testing.assert_close(out[row][0].double(), _full_logprobs(member, prompt)[-1], atol=1e-8, rtol=0)
+        checked += 1
+    store = member.prefix_store
+    assert store.reused_tokens >= 3 * store.block, "later prompts must start from the store"
+    for _ in range(6):
+        calls = {}
+        for row, seq in enumerate(seqs):
+            keep = len(seq) - rng.randint(0, 3)
+            feed = [rng.randrange(3, len(member.vocab)) for _ in range(rng.randint(1, 4))]
+            calls[row] = Forward(0, keep, feed, list(range(len(feed))))
+        out = batch.run(calls)
+        for row, call in calls.items():
+            seqs[row] = seqs[row][: call.keep] + call.ids
+            reference = _full_logprobs(member, seqs[row])
+            for got, i in zip(out[row], call.want, strict=True):
+                torch.testing.assert_close(got.double(), reference[call.keep + i], atol=1e-8, rtol=0)
+                checked += 1
+    assert checked > 60
+
+
+@pytest.mark.parametrize("prefix_cache_mb", [0, 256])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_scored_continuations_match_full_recompute(
+    tiny_bpe_dir: Path, tiny_gemma_dir: Path, family: str, prefix_cache_mb: int
+) -> None:
+    """Contexts of different lengths (left-padded in one batch), several multi-token choices
+    per context (the context's cache copied to one row per choice), scored twice (the second
+    time from the prefix store when it is on): each token's log-prob and argmax flag equal a
+    cache-free forward of context + continuation. (The scorer keeps float32 log-probs, as lm-eval's
+    ``hf`` does, so 1e-5 here; a forward without its past is off by nats.)"""
+    member = load_member(
+        str(tiny_bpe_dir if family == "llama" else tiny_gemma_dir),
+        dtype="float64",
+        prefix_cache_mb=prefix_cache_mb,
+    )
+    rng = random.Random(7)
+    contexts = [ids for ids in _shared_prefix_prompts(member, 3, seed=11)]
+    contexts.append(member.encode("the cat sat"))
+    pairs = []
+    for ctx in contexts:
+        for _ in range(3):
+            words = " " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 5)))
+            pairs.append((ctx, member.encode(words, add_special_tokens=False)))
+    assert len({len(c) for c, _ in pairs}) > 1 and max(len(x) for _, x in pairs) > 1
+    for _ in range(2):
+        scored = score_tokens(member, pairs, batch_size=3)
+        for (ctx, cont), (lps, greedy) in zip(pairs, scored, strict=True):
+            reference = _full_logprobs(member, ctx + cont)[len(ctx) - 1 : -1]
+            expected = reference.gather(1, torch.tensor(cont)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(lps, dtype=torch.float64), expected, atol=1e-5, rtol=0)
+            assert greedy == (reference.argmax(dim=1) == torch.tensor(cont)).tolist()
+    if prefix_cache_mb:
+        assert member.prefix_store.reused_tokens > 0
+
+
+# -- the adapter's own operations, against plain tensor arithmetic ----------------------------
+def _states(rows: int, slots: int, layers: int = 2, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(rows, 2, slots, 3, generator=gen), torch.randn(rows, 2, slots, 3, generator=gen))
+        for _ in range(layers)
+    ]
+
+
+def test_row_operations_equal_tensor_indexing() -> None:
+    states = _states(3, 5)
+    cache = kv_cache.new_cache(states)
+    assert kv_cache.seq_length(cache) == 5
+    picked = kv_cache.layer_states(kv_cache.select_rows(cache, [2, 0, 2]))
+    for (k, v), (pk, pv) in zip(states, picked, strict=True):
+        assert torch.equal(pk, k[[2, 0, 2]]) and torch.equal(pv, v[[2, 0, 2]])
+    rows = kv_cache.row_states(cache, 1, 1, 4)
+    for (k, v), (rk, rv) in zip(states, rows, strict=True):
+        assert torch.equal(rk, k[1:2, :, 1:4]) and torch.equal(rv, v[1:2, :, 1:4])
+    kv_cache.crop(cache, 2)
+    assert kv_cache.seq_length(cache) == 2
+    for (k, _), (ck, _) in zip(states, kv_cache.layer_states(cache), strict=True):
+        assert torch.equal(ck, k[:, :, :2])
+
+
+def test_left_padded_stack_and_appended_rows() -> None:
+    short, long = kv_cache.new_cache(_states(1, 2, seed=1)), kv_cache.new_cache(_states(1, 4, seed=2))
+    stacked = kv_cache.layer_states(kv_cache.stack_left_padded([short, long], 4))
+    for (k, _), (sk, _), (lk, _) in zip(
+        stacked, kv_cache.layer_states(short), kv_cache.layer_states(long), strict=True
+    ):
+        assert torch.equal(k[0, :, 2:], sk[0]) and not k[0, :, :2].any()
+        assert torch.equal(k[1], lk[0])
+    batch = kv_cache.new_cache(_states(3, 2, seed=3))
+    before = kv_cache.layer_states(batch)
+    before = [(k.clone(), v.clone()) for k, v in before]  # type: ignore[misc]
+    sub = kv_cache.new_cache(_states(2, 3, seed=4))  # rows 0 and 2, two new slots at the end
+    kv_cache.append_rows(batch, sub, [0, 2], 2)
+    for (k, _), (bk, _), (sk, _) in zip(kv_cache.layer_states(batch), before, kv_cache.layer_states(sub), strict=True):
+        assert k.shape[2] == 4 and torch.equal(k[:, :, :2], bk)
+        assert torch.equal(k[0, :, 2:], sk[0, :, 1:]) and torch.equal(k[2, :, 2:], sk[1, :, 1:])
+        assert not k[1, :, 2:].any()
+
+
+def test_layers_holding_nothing_survive_every_operation() -> None:
+    """A layer that shares another's states (KV sharing) never fills its own: kept empty."""
+    states = _states(2, 3)
+    cache = kv_cache.new_cache([states[0], None, states[1]])
+    assert [s is None for s in kv_cache.layer_states(cache)] == [False, True, False]
+    picked = kv_cache.select_rows(cache, [1])
+    assert [s is None for s in kv_cache.layer_states(picked)] == [False, True, False]
+    assert kv_cache.seq_length(picked) == 3
+
+
+def test_unknown_cache_layer_is_refused() -> None:
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    cache = kv_cache.new_cache(_states(1, 2))
+    cache.layers.append(DynamicSlidingWindowLayer(sliding_window=4))
+    with pytest.raises(kv_cache.UnsupportedModelError, match="DynamicSlidingWindowLayer"):
+        kv_cache.layer_states(cache)
+
+
+def test_cache_keyword_comes_from_the_forward_signature() -> None:
+    class Renamed(torch.nn.Module):  # transformers 5.x
+        def forward(self, input_ids=None, cache=None, use_cache=None, **kwargs):
+            return cache
+
+    class Legacy(torch.nn.Module):  # transformers 4.57, remote code
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None, **kwargs):
+            return past_key_values
+
+    class Neither(torch.nn.Module):
+        def forward(self, input_ids=None, **kwargs):
+            return None
+
+    marker = object()
+    assert kv_cache.run(Renamed(), marker, input_ids=None) is marker
+    assert kv_cache.run(Legacy(), marker, input_ids=None) is marker
+    with pytest.raises(kv_cache.UnsupportedModelError, match="neither cache= nor past_key_values="):
+        kv_cache.run(Neither(), marker, input_ids=None)
