@@ -2,16 +2,19 @@
 
 lm-eval 0.4.x has no plugin discovery for models, so a ``.pth`` file imports this module in
 every interpreter of the environment. It must cost nothing measurable: it only installs a
-meta-path finder that waits for three lm-eval modules and patches them right after they
+meta-path finder that waits for a few lm-eval modules and patches them right after they
 execute. Nothing of lm-eval, torch or transformers is imported until lm-eval itself is.
 
 - ``lm_eval.api.registry``: register ``safe-ensemble`` as a lazy placeholder. lm-eval only
   imports its built-in model table when the registry is *empty*, so import
   ``lm_eval.models`` first or ``--model hf`` would disappear.
-- ``lm_eval._cli.utils``: the CLI rejects ``--model_args members=a,b`` (``expected
-  key=value, got 'b'``) before any model code runs; fold bare items into the preceding key.
+- ``lm_eval._cli.utils`` (lm-eval 0.4.10+): the CLI rejects ``--model_args members=a,b``
+  (``expected key=value, got 'b'``) before any model code runs; fold bare items into the
+  preceding key, with the package's one parser (:mod:`lm_eval_safe.options`).
 - ``lm_eval.loggers.evaluation_tracker``: give ensemble runs a stable output folder name
   instead of a random id (lm-eval only knows ``pretrained=``-style keys).
+- ``lm_eval.evaluator`` (lm-eval 0.4.9 only): keep the backend's configuration and
+  ``safe_stats`` in the results, as 0.4.10+ does by itself.
 """
 
 from __future__ import annotations
@@ -26,39 +29,48 @@ PLACEHOLDER = "lm_eval_safe.model:SafeEnsembleLM"
 
 
 def register_model() -> None:
-    import lm_eval.models  # noqa: F401  (fills the registry with the built-ins first)
-    from lm_eval.api.registry import model_registry
+    """Register ``safe-ensemble`` in lm-eval's model registry, of either generation:
 
-    if "safe-ensemble" not in model_registry:
-        model_registry.register("safe-ensemble", target=PLACEHOLDER)
+    - lm-eval 0.4.10+: ``model_registry``, a registry of lazy import targets: a placeholder
+      string, so nothing of this package (or torch) is imported until the model is asked for;
+    - lm-eval 0.4.9.x: ``MODEL_REGISTRY``, a plain dict of classes, filled as ``lm_eval.models``
+      imports its modules (its registry module imports torch itself, so importing the class
+      now costs nothing more)."""
+    try:
+        import lm_eval.models  # noqa: F401  (fills the registry with the built-ins first)
+    except Exception:
+        # lm-eval 0.4.9 under transformers 5, say: lm-eval itself cannot import; say why first
+        import logging
 
+        from lm_eval_safe.versions import version_problems
 
-def fold_bare_items(items: list[str]) -> list[tuple[str, str]]:
-    """Turn ``["members=a", "b", "drafter=b"]`` into ``[("members", "a,b"), ("drafter", "b")]``.
+        for problem in version_problems():
+            logging.getLogger("lm_eval_safe").error("safe-ensemble: %s", problem)
+        raise
+    from lm_eval.api import registry
 
-    A bare item (no ``=``) can only be a continuation of the previous value that a comma split.
-    """
-    pairs: list[tuple[str, str]] = []
-    for item in items:
-        if "=" in item:
-            key, value = item.split("=", 1)
-            pairs.append((key.strip(), value))
-        elif pairs:
-            key, value = pairs[-1]
-            pairs[-1] = (key, f"{value},{item}")
-        else:
-            raise ValueError(f"expected `key=value`, got {item!r}")
-    return pairs
+    if "model_registry" in vars(registry):
+        if "safe-ensemble" not in registry.model_registry:
+            registry.model_registry.register("safe-ensemble", target=PLACEHOLDER)
+    else:
+        from lm_eval_safe.model import SafeEnsembleLM
+
+        registry.MODEL_REGISTRY.setdefault("safe-ensemble", SafeEnsembleLM)
 
 
 def _patch_cli_utils(module: ModuleType) -> None:
+    """lm-eval 0.4.10+ (0.4.9 has no ``lm_eval._cli``; its CLI hands ``--model_args`` to the
+    model as the string the user typed, which :func:`lm_eval_safe.options.parse_model_args`
+    reads)."""
+    from lm_eval_safe.options import fold_bare_items, split_top_level
+
     original = module.key_val_to_dict
 
     def key_val_to_dict(args: str) -> dict[str, Any]:
         try:
             return original(args)
         except ValueError:
-            pairs = fold_bare_items(module.split_top_level(args))
+            pairs = fold_bare_items(split_top_level(args))
             # Keep comma-joined lists as strings: the CLI's literal_eval would turn "1,2" into a tuple
             # and "a,b" stays a string anyway; SafeEnsembleLM parses both.
             return {k: (v if "," in v else module.handle_cli_value_string(v)) for k, v in pairs}
@@ -80,10 +92,36 @@ def _patch_tracker(module: ModuleType) -> None:
     tracker._get_model_name = staticmethod(_get_model_name)
 
 
+def _patch_evaluator(module: ModuleType) -> None:
+    """lm-eval 0.4.9 puts ``get_model_info()`` into the results' ``config`` for its own ``hf``
+    backend only (0.4.10+ for every model that has one), so a safe-ensemble run would lose its
+    members, options and ``safe_stats``. Its ``simple_evaluate`` calls ``add_tokenizer_info``
+    last, on rank 0, with the results and the model (wrapped by ``CachingLM`` under
+    ``--use_cache``): the backend's info is added there."""
+    from lm_eval_safe.lm_eval_compat import first_generation
+
+    if not first_generation():
+        return
+    original = module.add_tokenizer_info
+
+    def add_tokenizer_info(storage: dict[str, Any], lm: Any) -> None:
+        from lm_eval.api.model import CachingLM
+
+        from lm_eval_safe.model import SafeEnsembleLM
+
+        model = lm.lm if isinstance(lm, CachingLM) else lm
+        if isinstance(model, SafeEnsembleLM):
+            storage["config"].update(model.get_model_info())
+        original(storage, lm)
+
+    module.add_tokenizer_info = add_tokenizer_info
+
+
 HOOKS: dict[str, Callable[[ModuleType], None]] = {
     "lm_eval.api.registry": lambda _module: register_model(),
     "lm_eval._cli.utils": _patch_cli_utils,
     "lm_eval.loggers.evaluation_tracker": _patch_tracker,
+    "lm_eval.evaluator": _patch_evaluator,
 }
 
 

@@ -91,6 +91,22 @@ class ProcessGroup:
             self.backend.barrier()
 
 
+class AcceleratorView:
+    """What lm-eval 0.4.9's evaluator asks of ``lm.accelerator`` in a data-parallel run (it
+    gathers request counts and waits after each request type; 0.4.10+ calls the model's own
+    ``all_gather`` and ``barrier``): the same two collectives, through the model, so the
+    statistics are summed in ``barrier`` under either lm-eval."""
+
+    def __init__(self, lm: Any):
+        self._lm = lm
+
+    def gather(self, tensor: Any) -> Any:
+        return self._lm.all_gather(tensor)
+
+    def wait_for_everyone(self) -> None:
+        self._lm.barrier()
+
+
 def _destroy_process_group() -> None:
     import torch.distributed as dist
 

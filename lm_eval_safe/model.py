@@ -16,15 +16,16 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from lm_eval_safe import __version__
-from lm_eval_safe._autoregister import fold_bare_items
 from lm_eval_safe.batching import generation_batch_size
 from lm_eval_safe.decoding import GenerationJob, SafeDecoder
-from lm_eval_safe.distributed import ProcessGroup
+from lm_eval_safe.distributed import AcceleratorView, ProcessGroup
+from lm_eval_safe.lm_eval_compat import bos_rule
 from lm_eval_safe.members import CHAT_MARKER, Member, check_gguf_file, load_member, resolve_source
 from lm_eval_safe.options import (
     OptionError,
     RequestError,
     SafeOptions,
+    parse_model_args,
     parse_options,
     resolve_drafter_index,
 )
@@ -38,6 +39,7 @@ from lm_eval_safe.scoring import (
     score_members,
 )
 from lm_eval_safe.stats import GenerationStats
+from lm_eval_safe.versions import check_versions
 
 logger = logging.getLogger("lm_eval_safe")
 
@@ -78,23 +80,11 @@ def use_cache_table(store: Any, table: str) -> None:
     store.tablename = table
 
 
-def parse_arg_string(arg_string: str) -> dict[str, Any]:
-    """``members=a,b,drafter=b`` -> ``{"members": "a,b", "drafter": "b"}`` (lm-eval's own parser
-    would make ``b`` a key of its own)."""
-    text = (arg_string or "").strip()
-    if not text:
-        return {}
-    if text.startswith("{"):
-        return dict(json.loads(text))
-    from lm_eval._cli.utils import split_top_level
-
-    return dict(fold_bare_items(split_top_level(text)))
-
-
 class SafeEnsembleLM(LM):
     """An ensemble of causal LMs with different tokenizers, decoded with SAFE."""
 
     def __init__(self, **kwargs: Any):
+        check_versions()
         super().__init__()
         self.options: SafeOptions = parse_options(kwargs)
         opts = self.options
@@ -167,6 +157,11 @@ class SafeEnsembleLM(LM):
 
         return torch.device(self.drafter.device)
 
+    @property
+    def accelerator(self) -> AcceleratorView:
+        """lm-eval 0.4.9's evaluator collects through ``lm.accelerator``."""
+        return AcceleratorView(self)
+
     def all_gather(self, tensor: Any) -> Any:
         # lm-eval puts the tensor on self.device: the right place for gloo (CPU) and nccl (GPU)
         return self.process_group.all_gather(tensor)
@@ -200,6 +195,8 @@ class SafeEnsembleLM(LM):
         identity["drafter"] = self.drafter_index
         identity["dtype"] = [str(m.dtype).replace("torch.", "") for m in self.members]
         identity["format"] = CACHE_NAMESPACE_FORMAT
+        if self.options.add_bos_token is None and bos_rule() != "tokenizer":
+            identity["bos_rule"] = bos_rule()  # lm-eval 0.4.9 encodes without BOS by default
         return identity
 
     @property
@@ -228,7 +225,7 @@ class SafeEnsembleLM(LM):
     def create_from_arg_string(
         cls, arg_string: str, additional_config: dict | None = None
     ) -> SafeEnsembleLM:
-        return cls.create_from_arg_obj(parse_arg_string(arg_string), additional_config)
+        return cls.create_from_arg_obj(parse_model_args(arg_string), additional_config)
 
     @classmethod
     def create_from_arg_obj(
@@ -239,13 +236,7 @@ class SafeEnsembleLM(LM):
         lm-eval's CLI passes ``device="cuda:0"`` even when ``--device`` was not typed, so that
         value from the CLI means ``auto`` (cuda if visible, else cpu); any other CLI device, and
         every device in model_args, is checked and fails in one line when the machine lacks it."""
-        args = dict(arg_dict)
-        # a dict from lm-eval's plain parser: {"members": "a", "b": ""} -> fold "b" back in
-        bare = [k for k, v in args.items() if v == "" and k not in SafeOptions.__dataclass_fields__]
-        if bare and "members" in args:
-            args["members"] = ",".join([str(args["members"]), *bare])
-            for key in bare:
-                del args[key]
+        args = parse_model_args(arg_dict)
         for key, value in (additional_config or {}).items():
             if key == "device" and value == LM_EVAL_CLI_DEFAULT_DEVICE:
                 continue

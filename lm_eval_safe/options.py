@@ -28,6 +28,82 @@ class RequestError(ValueError):
     """A request that cannot run, found before any work: one line naming its document."""
 
 
+def split_top_level(text: str) -> list[str]:
+    """Split on commas outside brackets, braces and quotes (``weights=[1,2],members=a|b``);
+    empty parts are dropped. lm-eval 0.4.13 has the same rule in ``lm_eval._cli.utils``, which
+    0.4.9 lacks and 0.4.10-0.4.12 spell differently: hence this copy, the only one used here."""
+    parts: list[str] = []
+    buf: list[str] = []
+    depth = 0
+    quote: str | None = None
+    for char in text:
+        if quote is not None:
+            if char == quote:
+                quote = None
+        elif char in "\"'":
+            quote = char
+        elif char in "[({":
+            depth += 1
+        elif char in "])}":
+            depth = max(depth - 1, 0)
+        elif char == "," and depth == 0:
+            parts.append("".join(buf))
+            buf = []
+            continue
+        buf.append(char)
+    parts.append("".join(buf))
+    return [part for part in parts if part]
+
+
+def fold_bare_items(items: list[str]) -> list[tuple[str, str]]:
+    """Turn ``["members=a", "b", "drafter=b"]`` into ``[("members", "a,b"), ("drafter", "b")]``.
+
+    A bare item (no ``=``) can only be a continuation of the previous value that a comma split.
+    """
+    pairs: list[tuple[str, str]] = []
+    for item in items:
+        if "=" in item:
+            key, value = item.split("=", 1)
+            pairs.append((key.strip(), value))
+        elif pairs:
+            key, value = pairs[-1]
+            pairs[-1] = (key, f"{value},{item}")
+        else:
+            raise OptionError(f"model_args: expected key=value, got {item!r}")
+    return pairs
+
+
+def parse_model_args(model_args: str | dict[str, Any] | None) -> dict[str, Any]:
+    """The one parser of ``--model_args``, for the model, the CLI hook and run names.
+
+    A string is ``key=value`` pairs (``members=a,b,drafter=b``: a bare item continues the value
+    before it, so the user's literal ``members=a,b`` works) or a JSON object. A dict is taken as
+    it is, except that the bare items of lm-eval's plain parser (``{"members": "a", "b": ""}``)
+    are folded back into ``members``."""
+    if model_args is None:
+        return {}
+    if isinstance(model_args, dict):
+        args = dict(model_args)
+        bare = [k for k, v in args.items() if v == "" and k not in _KNOWN]
+        if bare and "members" in args:
+            args["members"] = ",".join([str(args["members"]), *bare])
+            for key in bare:
+                del args[key]
+        return args
+    text = model_args.strip()
+    if not text:
+        return {}
+    if text.startswith("{"):
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise OptionError(f"model_args {text[:60]!r} is not valid JSON: {exc.msg}") from exc
+        if not isinstance(parsed, dict):
+            raise OptionError("model_args JSON must be an object, e.g. {\"members\": [\"a\", \"b\"]}")
+        return parsed
+    return dict(fold_bare_items(split_top_level(text)))
+
+
 def split_list(value: Any, what: str) -> list[str]:
     """Accept ``a,b``, ``a|b``, a JSON/Python list literal, or a real list/tuple."""
     if value is None:
@@ -304,16 +380,9 @@ def resolve_drafter_index(drafter: str | int | None, members: list[str]) -> int:
 
 def stable_run_name(model_args: Any) -> str | None:
     """Folder name for lm-eval's output: members, drafter, schedule and aggregator, not a random id."""
-    if isinstance(model_args, str):
-        from lm_eval_safe._autoregister import fold_bare_items
-
-        try:
-            args = dict(fold_bare_items([p for p in model_args.split(",") if p]))
-        except ValueError:
-            return None
-    elif isinstance(model_args, dict):
-        args = model_args
-    else:
+    try:
+        args = parse_model_args(model_args) if isinstance(model_args, (str, dict)) else {}
+    except OptionError:
         return None
     if "members" not in args:
         return None

@@ -116,14 +116,16 @@ def _flag(key: str, value: Any) -> bool:
 def parse_gen_kwargs(
     gen_kwargs: Mapping[str, Any] | None, default_max_gen_toks: int
 ) -> GenerationSettings:
-    """Validate a request's ``generation_kwargs`` and normalise them as lm-eval does.
+    """Validate a request's ``generation_kwargs`` and normalise them as lm-eval 0.4.13's
+    ``normalize_gen_kwargs`` does (the budget's aliases in its priority order; a temperature
+    above 0 without ``do_sample`` samples, ``do_sample=False`` is greedy whatever the
+    temperature). The rule is written here, not imported: lm-eval 0.4.9 has no such function
+    and its ``hf`` backend reads a bare temperature differently, and a request must mean the
+    same thing under every lm-eval this package supports.
 
-    Every key is checked before lm-eval's ``normalize_gen_kwargs`` sees it, so a bad value
-    fails in one line naming its key (``normalize_gen_kwargs`` would raise a bare ``float()``
-    error), and an option we cannot honour is refused instead of silently dropped.
+    Every key is checked first, so a bad value fails in one line naming its key, and an option
+    we cannot honour is refused instead of silently dropped.
     """
-    from lm_eval.models.utils import normalize_gen_kwargs
-
     raw = dict(gen_kwargs or {})
     if "until" in raw and raw["until"] is None:
         del raw["until"]
@@ -166,15 +168,24 @@ def parse_gen_kwargs(
             raise OptionError(
                 f"unknown generation kwarg {key!r}={value!r} for safe-ensemble; {SUPPORTED_HINT}"
             )
-    kwargs = normalize_gen_kwargs(raw, default_max_gen_toks)
-    until = kwargs.get("until") or []
+    until = raw.get("until", [])
+    budgets = [raw[key] for key in MAX_TOKEN_KEYS if raw.get(key) is not None]
+    max_gen_toks = _integer("max_gen_toks", budgets[0]) if budgets else default_max_gen_toks
+    temperature = float(raw.get("temperature", 0.0))
+    do_sample = raw.get("do_sample")
+    if do_sample is None:
+        do_sample = temperature > 0.0
+    elif not do_sample:
+        temperature = 0.0
     sampling = SamplingParams(
-        do_sample=bool(kwargs.get("do_sample")),
-        temperature=float(kwargs.get("temperature", 0.0)),
-        top_k=_integer("top_k", kwargs.get("top_k", 0)),
-        top_p=_number("top_p", kwargs.get("top_p", 1.0)),
+        do_sample=bool(do_sample),
+        temperature=temperature,
+        top_k=_integer("top_k", raw.get("top_k", 0)),
+        top_p=_number("top_p", raw.get("top_p", 1.0)),
     )
-    return GenerationSettings(list(until), int(kwargs["max_gen_toks"]), sampling)
+    return GenerationSettings(
+        [until] if isinstance(until, str) else list(until), max_gen_toks, sampling
+    )
 
 
 def request_seed(base_seed: int, context: str, settings: GenerationSettings, repeat: int) -> int:

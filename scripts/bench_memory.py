@@ -178,12 +178,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from lm_eval_safe.model import SafeEnsembleLM, parse_arg_string
+    from lm_eval_safe.model import SafeEnsembleLM
+    from lm_eval_safe.options import parse_model_args
 
     if args.threads:
         torch.set_num_threads(args.threads)
     at = sorted({int(x) for x in args.at.split(",") if x})
-    extra = parse_arg_string(args.model_args_extra)
+    extra = parse_model_args(args.model_args_extra)
     started = time.perf_counter()
     lm = SafeEnsembleLM(members=args.members, batch_size=args.batch_size, **extra)
     print(f"loaded {args.members} in {time.perf_counter() - started:.0f}s, RSS {rss_mib():.0f} MiB")

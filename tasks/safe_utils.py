@@ -238,7 +238,10 @@ def _bbh_exemplars_from_lm_eval(task: str) -> tuple[str, list[dict[str, str]]]:
     """Description and exemplars from the installed lm-eval ``bbh/cot_fewshot`` YAML.
 
     Used online so that no benchmark text is copied into this repository; the
-    tests check these are identical to the BBH repo's ``cot-prompts`` files.
+    tests check these are identical to the BBH repo's ``cot-prompts`` files. lm-eval 0.4.9's
+    YAMLs begin each exemplar's answer with a second "Let's think step by step." (the prompt
+    already ends with one; later releases dropped it): removed, so that every supported lm-eval
+    gives the same prompt.
     """
     import lm_eval
     import yaml
@@ -247,9 +250,19 @@ def _bbh_exemplars_from_lm_eval(task: str) -> tuple[str, list[dict[str, str]]]:
     with path.open(encoding="utf-8") as fh:
         cfg = yaml.safe_load(fh)
     samples = [
-        {"input": s["input"], "target": s["target"]} for s in cfg["fewshot_config"]["samples"]
+        {"input": s["input"], "target": _without_repeated_cot_opening(s["target"])}
+        for s in cfg["fewshot_config"]["samples"]
     ]
     return cfg["description"].strip(), samples
+
+
+def _without_repeated_cot_opening(target: str) -> str:
+    """lm-eval 0.4.9's exemplar answers open with "Let's think step by step." and a newline or,
+    in sports_understanding, a space; later releases' do not."""
+    for opening in ("Let's think step by step.\n", "Let's think step by step. "):
+        if target.startswith(opening):
+            return target[len(opening) :]
+    return target
 
 
 def bbh_exemplars(task: str, data_dir: Path | None) -> tuple[str, list[dict[str, str]]]:

@@ -26,6 +26,65 @@ SCHEDULES = [
 ]
 
 
+def hf_encode(tok: Any, text: str, model_type: str = "llama") -> list[int]:
+    """How lm-eval's ``hf`` backend encodes a plain text of a causal LM, in the installed lm-eval:
+    0.4.9.x adds special tokens only to a Gemma's texts, 0.4.10+ leaves them to the tokenizer.
+    The brute-force references follow it, as the backend must."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    if Version(version("lm-eval")) < Version("0.4.10"):
+        return list(tok.encode(text, add_special_tokens="gemma" in model_type))
+    return list(tok.encode(text))
+
+
+def parse_lm_eval_command(argv: list[str]) -> dict[str, Any]:
+    """An ``lm_eval ...`` command line as the installed lm-eval's own CLI parses it (0.4.10+:
+    ``HarnessCLI``; 0.4.9: the argparse parser of ``lm_eval.__main__``), with its
+    ``key=value`` strings turned into dicts as each CLI does before a run: model_args by the
+    backend's parser, gen_kwargs and tasks by lm-eval's."""
+    import importlib.util
+
+    from lm_eval_safe.options import parse_model_args
+
+    if importlib.util.find_spec("lm_eval._cli") is not None:
+        from lm_eval._cli import HarnessCLI
+
+        old_argv, sys.argv = sys.argv, list(argv)
+        try:
+            args = vars(HarnessCLI().parse_args())
+        finally:
+            sys.argv = old_argv
+    else:
+        from lm_eval.__main__ import setup_parser
+        from lm_eval.utils import simple_parse_args_string
+
+        args = vars(setup_parser().parse_args(argv[1:]))
+        args["gen_kwargs"] = simple_parse_args_string(args["gen_kwargs"])
+        args["tasks"] = args["tasks"].split(",")
+    args["model_args"] = parse_model_args(args["model_args"])
+    return args
+
+
+def leaf_tasks(task_manager: Any, names: list[str]) -> dict[str, Any]:
+    """The tasks (not groups) that ``names`` load, by task name, through ``get_task_dict``,
+    which lm-eval 0.4.9 and 0.4.13 both offer (``TaskManager.load`` is 0.4.13's only)."""
+    from lm_eval.tasks import get_task_dict
+
+    found: dict[str, Any] = {}
+
+    def walk(nested: dict) -> None:
+        for value in nested.values():
+            if isinstance(value, dict):
+                walk(value)
+            else:
+                found[value.config.task] = value
+
+    walk(get_task_dict(names, task_manager))
+    return found
+
+
 def gen_request(context: str, **gen_kwargs: Any) -> Instance:
     return Instance(request_type="generate_until", doc={}, arguments=(context, gen_kwargs), idx=0)
 
@@ -49,7 +108,7 @@ def hf_greedy_text(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int)
     """transformers' own greedy decoding, the reference every schedule must reduce to."""
     import torch
 
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    ids = torch.tensor([hf_encode(tokenizer, prompt)])
     out = model.generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
         pad_token_id=tokenizer.pad_token_id,

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-from helpers import load_script
+from helpers import load_script, parse_lm_eval_command
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -158,8 +157,6 @@ def test_paper_preset_dry_run_prints_the_exact_commands(
     """``--preset paper --dry-run``: one lm_eval command per (pair, configuration, task) of the
     paper's Table 2, each accepted by lm-eval's own CLI parser and by the backend's options;
     the table prints the paper's number beside each cell SAFE_SPEC §10 gives; nothing runs."""
-    from lm_eval._cli import HarnessCLI
-
     from lm_eval_safe.options import parse_options
 
     out = tmp_path / "paper"
@@ -177,13 +174,12 @@ def test_paper_preset_dry_run_prints_the_exact_commands(
     for line in printed.splitlines():
         if not line.startswith("lm_eval "):
             continue
-        monkeypatch.setattr(sys, "argv", shlex.split(line))
-        args = HarnessCLI().parse_args()
-        assert args.model == "safe-ensemble" and args.apply_chat_template is True
-        assert args.gen_kwargs == {"max_gen_toks": 2048}
-        assert args.use_cache and args.output_path and args.include_path
-        (task,) = args.tasks
-        options = parse_options(args.model_args)
+        args = parse_lm_eval_command(shlex.split(line))
+        assert args["model"] == "safe-ensemble" and args["apply_chat_template"] is True
+        assert args["gen_kwargs"] == {"max_gen_toks": 2048}
+        assert args["use_cache"] and args["output_path"] and args["include_path"]
+        (task,) = args["tasks"]
+        options = parse_options(args["model_args"])
         assert options.dtype == "bfloat16" and options.trust_remote_code is True
         if len(options.members) == 1:
             assert options.device == "cuda:0" and options.member_devices is None

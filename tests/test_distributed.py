@@ -24,7 +24,7 @@ def _free_port() -> int:
 
 def _run(prefix: list[str], members: str, data_dir: Path, out: Path) -> dict:
     cmd = [
-        *prefix, "-m", "lm_eval", "run",
+        *prefix, "-m", "lm_eval",
         "--model", "safe-ensemble",
         "--model_args", f"members={members},device=cpu", "--gen_kwargs", "max_gen_toks=8",
         "--tasks", "safe_gsm8k",
@@ -128,7 +128,7 @@ def test_more_processes_than_documents_fails_fast(tmp_path: Path, tiny_bpe_dir: 
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3",
         "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-        "-m", "lm_eval", "run", "--model", "safe-ensemble",
+        "-m", "lm_eval", "--model", "safe-ensemble",
         "--model_args", f"members={tiny_bpe_dir},device=cpu", "--gen_kwargs", "max_gen_toks=4",
         "--tasks", "safe_gsm8k", "--include_path", str(REPO / "tasks"),
         "--metadata", json.dumps({"data_dir": str(tmp_path / "data")}), "--output_path", str(out),

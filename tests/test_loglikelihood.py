@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ll_request, make_lm
+from helpers import hf_encode, ll_request, make_lm
 from lm_eval.api.instance import Instance
 
 PAIRS = [
@@ -54,8 +54,8 @@ def _token_logprobs(model, tok, context: str, continuation: str) -> tuple[list[f
     n = len(context) - len(context.rstrip())
     if n:
         context, continuation = context[:-n], context[-n:] + continuation
-    whole = tok.encode(context + continuation)
-    ctx = tok.encode(context)
+    whole = hf_encode(tok, context + continuation)
+    ctx = hf_encode(tok, context)
     cont = whole[len(ctx) :]
     with torch.no_grad():
         logits = model(torch.tensor([whole])).logits[0, :, : len(tok)]
@@ -199,7 +199,7 @@ def test_same_model_twice_rolling_equals_single(tiny_bpe_dir: Path) -> None:
 def _rolling_token_logprobs(model, tok, text: str) -> tuple[list[float], list[int]]:
     """Brute force: BOS/prefix + the whole text in one forward (it fits the tiny models' window),
     per-token log-probs and byte ends found by decoding growing prefixes."""
-    ids = tok.encode(text)
+    ids = hf_encode(tok, text)
     prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
     with torch.no_grad():
         logits = model(torch.tensor([[prefix] + ids[:-1]])).logits[0, :, : len(tok)]

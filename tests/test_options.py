@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from lm_eval_safe.model import SafeEnsembleLM, parse_arg_string
-from lm_eval_safe.options import OptionError, parse_options, stable_run_name
+from lm_eval_safe.model import SafeEnsembleLM
+from lm_eval_safe.options import OptionError, parse_model_args, parse_options, stable_run_name
 
 GRAMMAR = [
     ("members=a,b", {"members": "a,b"}),
@@ -22,7 +22,7 @@ GRAMMAR = [
 
 @pytest.mark.parametrize(("text", "expected"), GRAMMAR)
 def test_arg_string_grammar(text: str, expected: dict) -> None:
-    assert parse_arg_string(text) == expected
+    assert parse_model_args(text) == expected
 
 
 @pytest.mark.parametrize(
@@ -154,21 +154,38 @@ def test_stable_run_name() -> None:
 
 
 def test_hook_keeps_builtins_and_patches_cli_in_fresh_process() -> None:
-    """The .pth hook registers safe-ensemble lazily without hiding lm-eval's own models."""
+    """The .pth hook registers safe-ensemble lazily without hiding lm-eval's own models, and
+    names output folders; lm-eval 0.4.10+'s CLI parser takes ``members=a,b`` after the hook
+    (0.4.9 has no such parser: its CLI hands the string to the model, see test_cli.py)."""
     code = (
-        "import sys\n"
-        "from lm_eval.api.registry import get_model, model_registry\n"
-        "assert 'torch' not in sys.modules, 'registration must not import torch'\n"
+        "import importlib.util, sys\n"
+        "from lm_eval.api.registry import get_model\n"
+        "lazy = importlib.util.find_spec('lm_eval._cli') is not None  # lm-eval 0.4.10+\n"
+        "# lm-eval 0.4.9's registry module imports torch itself; 0.4.10+ registers lazily\n"
+        "assert not lazy or 'torch' not in sys.modules, 'registration must not import torch'\n"
         "assert get_model('hf').__name__ == 'HFLM'\n"
-        "assert 'safe-ensemble' in model_registry\n"
-        "from lm_eval._cli.utils import key_val_to_dict\n"
-        "print(key_val_to_dict('members=a,b,drafter=b,dtype=float32'))\n"
+        "assert get_model('safe-ensemble').__name__ == 'SafeEnsembleLM'\n"
         "from lm_eval.loggers.evaluation_tracker import GeneralConfigTracker as G\n"
-        "print(G._get_model_name({'members': 'a,b'}), G._get_model_name({'pretrained': 'gpt2'}))\n"
+        "print(G._get_model_name('members=a,b'), G._get_model_name('pretrained=gpt2'))\n"
+        "if lazy:\n"
+        "    from lm_eval._cli.utils import key_val_to_dict\n"
+        "    print(key_val_to_dict('members=a,b,drafter=b,dtype=float32'))\n"
+        "    print(G._get_model_name({'members': 'a,b'}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert "{'members': 'a,b', 'drafter': 'b', 'dtype': 'float32'}" in out
-    assert "safe-ensemble__a+b__drafter-a__safe-unite gpt2" in out
+    lines = out.splitlines()
+    assert lines[0] == "safe-ensemble__a+b__drafter-a__safe-unite gpt2"
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    if Version(version("lm-eval")) >= Version("0.4.10"):
+        assert lines[1:] == [
+            "{'members': 'a,b', 'drafter': 'b', 'dtype': 'float32'}",
+            "safe-ensemble__a+b__drafter-a__safe-unite",
+        ]
+    else:
+        assert lines[1:] == []
 
 
 def test_unrelated_interpreter_does_not_import_lm_eval() -> None:

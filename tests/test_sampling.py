@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import gen_request, make_lm, random_prompts
+from helpers import gen_request, hf_encode, make_lm, random_prompts
 from scipy import stats as scipy_stats
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -237,8 +237,8 @@ def test_bad_gen_kwargs_are_one_line_errors_naming_the_key(kwargs: dict, key: st
 
 
 def test_lm_eval_task_generation_kwargs_are_accepted() -> None:
-    """Every ``generation_kwargs`` block of lm-eval 0.4.13's own task configs parses, except a
-    value we cannot honour (code_x_glue's beam search, ``num_beams: 10``): real tasks are not
+    """Every ``generation_kwargs`` block of the installed lm-eval's own task configs parses
+    (0.4.9 ships 285 of them, 0.4.13 more), except a value we cannot honour (code_x_glue's beam search, ``num_beams: 10``): real tasks are not
     refused, and nothing is dropped silently."""
     import lm_eval
     import yaml
@@ -262,9 +262,10 @@ def test_lm_eval_task_generation_kwargs_are_accepted() -> None:
             parse_gen_kwargs(config["generation_kwargs"], 256)
         except OptionError as exc:
             refused[path.parent.name + "/" + path.name] = str(exc)
-    assert checked > 300
-    assert list(refused) == ["code-text/_default_template_yaml"], refused
-    assert "num_beams=10" in refused["code-text/_default_template_yaml"]
+    assert checked > 250
+    # code_x_glue's beam search: one shared template in 0.4.13, one file per language in 0.4.9
+    assert refused and all(name.startswith("code-text/") for name in refused), refused
+    assert all("num_beams=10" in message for message in refused.values())
 
 
 def test_requests_are_checked_before_the_first_forward(
@@ -355,7 +356,8 @@ def test_first_string_is_distributed_as_the_ensemble(
     drafter, verifier = lm.members
     references = []
     for folder, view in zip((tiny_bpe_dir, verifier_dir), views, strict=True):
-        ids = AutoTokenizer.from_pretrained(folder)(prompt).input_ids
+        model_type = AutoConfig.from_pretrained(folder).model_type
+        ids = hf_encode(AutoTokenizer.from_pretrained(folder), prompt, model_type)
         raw = hf_next_probs(folder, ids, temperature=1.0)
         torch.testing.assert_close(view.logprobs.double().exp(), raw, atol=1e-5, rtol=1e-4)
         references.append(hf_next_probs(folder, ids, **warp))
@@ -424,8 +426,8 @@ def test_decoder_loop_samples_the_ensemble_then_the_drafter_where_misaligned(
 
     drafter, verifier = lm.members
     tok = drafter.tokenizer
-    prompt_ids = tok(prompt).input_ids
-    verifier_ids = verifier.tokenizer(prompt).input_ids
+    prompt_ids = hf_encode(tok, prompt)
+    verifier_ids = hf_encode(verifier.tokenizer, prompt)
     first = brute_force_ensemble(
         by_string(hf_next_probs(tiny_bpe_dir, prompt_ids, **warp), drafter.vocab.keys),
         by_string(hf_next_probs(never_aligned_dir, verifier_ids, **warp), verifier.vocab.keys),
@@ -480,7 +482,7 @@ def test_one_member_samples_like_transformers_generate(tiny_bpe_dir: Path) -> No
     if sum(rest):
         table = [row + [r] for row, r in zip(table, rest, strict=True)]
     two_sample = scipy_stats.chi2_contingency(table)
-    probs = hf_next_probs(tiny_bpe_dir, tok(prompt).input_ids, **warp)
+    probs = hf_next_probs(tiny_bpe_dir, hf_encode(tok, prompt), **warp)
     expected: dict[str, float] = {}
     for i in torch.nonzero(probs > 0).flatten().tolist():
         text = tok.decode([i], skip_special_tokens=True)

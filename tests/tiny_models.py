@@ -260,6 +260,11 @@ _BYTE_TOKENS = [f"<0x{i:02X}>" for i in range(256)]
 _SP_MIN_CHAR_COUNT = 8  # characters rarer than this in the corpus get no piece of their own
 
 
+# What a causal LM's tokenizer returns, as real checkpoints declare it: transformers 4.57's plain
+# PreTrainedTokenizerFast would also return token_type_ids, which generate() refuses for Llama.
+MODEL_INPUT_NAMES = ["input_ids", "attention_mask"]
+
+
 def train_byte_bpe_tokenizer(
     corpus: list[str] | None = None, vocab_size: int = 400
 ) -> PreTrainedTokenizerFast:
@@ -295,6 +300,7 @@ def train_byte_bpe_tokenizer(
         additional_special_tokens=["<|im_start|>", "<|im_end|>"],
         clean_up_tokenization_spaces=False,
         model_max_length=512,
+        model_input_names=MODEL_INPUT_NAMES,
     )
     fast.chat_template = BPE_CHAT_TEMPLATE
     return fast
@@ -394,6 +400,7 @@ def train_sentencepiece_style_tokenizer(
         clean_up_tokenization_spaces=False,
         model_max_length=512,
         padding_side="left",
+        model_input_names=MODEL_INPUT_NAMES,
     )
     fast.chat_template = SP_CHAT_TEMPLATE
     return fast
