@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_safe.disk_cache import atomic_file, cached_folder
+from lm_eval_safe.lm_eval_compat import default_add_special_tokens
 from lm_eval_safe.options import OptionError, member_display_name
 
 logger = logging.getLogger(__name__)
@@ -240,13 +241,21 @@ def pick_dtype(dtype: str, device: str) -> Any:
 
 #: Part of every converted-weights folder name; bump when the folder's layout changes, so that
 #: entries of another layout (or another version of this package sharing the cache) are never
-#: read as this one's. 2: manifest.json with checksums (lm_eval_safe.disk_cache).
-CONVERTED_FORMAT = 2
+#: read as this one's. 2: manifest.json with checksums (lm_eval_safe.disk_cache); 3: the
+#: safetensors metadata says its format (transformers 4.57 refuses the file otherwise).
+CONVERTED_FORMAT = 3
 
 
 def _converted_folder(source: MemberSource, dtype_name: str, root: Path) -> Path:
+    """One folder per GGUF file, dtype and transformers version: the config and tokenizer files
+    are written by the installed transformers, and another release may read them differently
+    (transformers 5 rewrote how rope settings and tokenizers are saved), so a conversion is
+    never shared across versions."""
+    import transformers
+
     stat = Path(source.location).stat()
     identity = f"{source.location}|{stat.st_size}|{stat.st_mtime_ns}|format={CONVERTED_FORMAT}"
+    identity += f"|transformers={transformers.__version__}"
     key = hashlib.sha1(identity.encode()).hexdigest()[:12]
     return root / "converted" / f"{Path(source.location).stem}-{dtype_name}-{key}"
 
@@ -321,7 +330,8 @@ def _save_dequantized(model: Any, tokenizer: Any, folder: Path) -> None:
     config.save_pretrained(folder)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(folder)
-    save_model(model, str(folder / "model.safetensors"))
+    # transformers 4.57 refuses a safetensors file whose metadata does not say its format
+    save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(folder)
 
 
@@ -336,7 +346,8 @@ def load_weights(
 
     With ``device_map`` (``"auto"``: accelerate spreads the layers over the GPUs) the model is
     loaded straight onto its devices; a GGUF is first de-quantized on cpu into the cache and
-    then loaded from there, so a member too large for one GPU never has to fit on one."""
+    then loaded from there (always: the cache is the one way a GGUF member is loaded), so a
+    member too large for one GPU never has to fit on one."""
     if source.kind == "gguf":
         if find_spec("gguf") is None:
             raise OptionError(
@@ -344,19 +355,16 @@ def load_weights(
             )
         dtype_name = str(dtype).replace("torch.", "")
         folder = _converted_folder(source, dtype_name, cache_root(cache_dir))
-        built: list[tuple[Any, Any]] = []
 
         def convert(tmp: Path) -> None:
             model, tokenizer = _load_gguf(source, dtype, trust_remote_code)
             logger.info("caching the de-quantized weights of %s in %s", source.name, folder)
             _save_dequantized(model, tokenizer, tmp)
             (tmp / "complete.json").write_text(json.dumps(source.describe()))
-            built.append((model, tokenizer))
 
+        # the first run loads the cache it just wrote, as every later run does: one code path,
+        # the same model object (its name_or_path is the folder, which lm-eval's hf can load)
         cached_folder(folder, convert, f"converted weights of member {source.name!r}")
-        if built and device_map is None:
-            return built[0]
-        built.clear()  # a device_map load reads the cache; drop the cpu copy first
         return _load_pretrained(str(folder), dtype, trust_remote_code, device_map)
     try:
         return _load_pretrained(source.location, dtype, trust_remote_code, device_map)
@@ -439,9 +447,12 @@ class Member:
         return bos if bos is not None else self.tokenizer.eos_token_id
 
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
-        """Encode as HFLM's ``tok_encode`` does, so scores match lm-eval's ``hf`` model."""
+        """Encode as HFLM's ``tok_encode`` does under the installed lm-eval, so scores and
+        greedy texts match lm-eval's ``hf`` model (:mod:`lm_eval_safe.lm_eval_compat`)."""
         if add_special_tokens is None:
             add_special_tokens = self.add_bos_token
+            if add_special_tokens is None:
+                add_special_tokens = default_add_special_tokens(self.model.config.model_type)
             bos = self.tokenizer.bos_token
             if bos and text.startswith(bos):
                 add_special_tokens = False
