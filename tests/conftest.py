@@ -57,6 +57,10 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "real: uses real pretrained GGUF models fetched by ../shared/models/fetch.sh (slow; large download once)",
     )
+    config.addinivalue_line(
+        "markers",
+        "parity: real-model parity checks cheap enough to run on every supported version (with -m real)",
+    )
 
 
 # --------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ def _gsm8k(shared_dir: Path, n: int) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
+@pytest.mark.parity
 def test_smollm2_single_member_equals_hf_generate(smollm, shared_dir: Path) -> None:
     from helpers import hf_greedy_text
 
@@ -57,6 +58,7 @@ def test_smollm2_single_member_equals_hf_generate(smollm, shared_dir: Path) -> N
         assert got == cut
 
 
+@pytest.mark.parity
 def test_smollm2_loglikelihood_equals_lm_eval_hf(smollm) -> None:
     from lm_eval.models.huggingface import HFLM
 
@@ -74,6 +76,47 @@ def test_smollm2_loglikelihood_equals_lm_eval_hf(smollm) -> None:
         smollm.loglikelihood(requests, disable_tqdm=True), hf.loglikelihood(requests, disable_tqdm=True), strict=True
     ):
         assert a == pytest.approx(b, abs=1e-4) and ga == gb
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("member", ["smollm2-135m", "gemma3-270m"])
+def test_member_alone_generates_what_lm_eval_hf_generates(
+    member: str, models: Path, shared_dir: Path
+) -> None:
+    """Each default member alone through the backend and through lm-eval's own ``hf`` model on
+    the same weights: 2-shot GSM8K prompts, greedy, 32 new tokens, the same texts."""
+    from lm_eval.models.huggingface import HFLM
+
+    from lm_eval_safe.model import SafeEnsembleLM
+
+    alone = SafeEnsembleLM(members=member, device="cpu")
+    folder = Path(alone.members[0].model.name_or_path)
+    hf = HFLM(pretrained=str(folder), device="cpu", dtype="float32", batch_size=1)
+    rows = _gsm8k(shared_dir, 6)
+    shots = "".join(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n" for r in rows[:2])
+    requests = [  # (question 3 makes SmolLM2 end its turn at once: left out)
+        gen_request(f"{shots}Question: {r['question']}\nAnswer:", until=["Question:"], max_gen_toks=32)
+        for r in rows[3:]
+    ]
+    texts = alone.generate_until(requests, disable_tqdm=True)
+    assert all(t.strip() for t in texts)
+    assert texts == hf.generate_until(requests, disable_tqdm=True)
+
+
+@pytest.mark.parity
+def test_pair_batch_of_8_equals_one_at_a_time(pair, shared_dir: Path) -> None:
+    """SmolLM2 drafting, Gemma-3 verifying (sliding-window layers, per-row rollbacks, refills):
+    eight GSM8K questions decoded as one batch give the texts decoded one at a time."""
+    rows = _gsm8k(shared_dir, 8)
+    requests = [gen_request(MATH_PROMPT.format(q=r["question"]), until=[], max_gen_toks=32) for r in rows]
+    one = pair.generate_until(requests, disable_tqdm=True)
+    pair.options.batch_size = 8
+    try:
+        eight = pair.generate_until(requests, disable_tqdm=True)
+    finally:
+        pair.options.batch_size = 1
+    assert len(set(one)) == len(one) and all(t.strip() for t in one)
+    assert eight == one
 
 
 def test_pair_on_gsm8k_reports_stats(pair, shared_dir: Path) -> None:
@@ -116,7 +159,7 @@ def test_lm_eval_cli_end_to_end(models: Path, shared_dir: Path, tmp_path: Path) 
     """The literal user command, in a subprocess, with members=a,b from the CLI."""
     repo = Path(__file__).resolve().parents[1]
     cmd = [
-        sys.executable, "-m", "lm_eval", "run",
+        sys.executable, "-m", "lm_eval",
         "--model", "safe-ensemble",
         "--model_args", "members=smollm2-135m,gemma3-270m",
         "--tasks", "safe_gsm8k,safe_math500,safe_bbh_paper",
@@ -141,6 +184,7 @@ def test_lm_eval_cli_end_to_end(models: Path, shared_dir: Path, tmp_path: Path) 
         assert task in data["results"], task
 
 
+@pytest.mark.parity
 def test_smollm2_rolling_and_batched_equal_lm_eval_hf(smollm, pair) -> None:
     """Perplexity windows and batched, shared-context scoring on a real model; the real pair
     (Gemma-3's sliding-window layers included) gives the same scores at batch size 1 and 4."""
