@@ -8,6 +8,7 @@ vocabulary). Bytes rather than ``str``: a byte token may be half of a multi-byte
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import re
@@ -35,9 +36,9 @@ def _byte_decoder() -> dict[str, int]:
 
 
 def _decoder_types(tokenizer: Any) -> set[str]:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
+    if not tokenizer.is_fast:  # a Python tokenizer has no Rust pipeline to read
         return set()
+    backend = tokenizer.backend_tokenizer
     found: set[str] = set()
 
     def walk(node: Any) -> None:
@@ -81,9 +82,9 @@ class TokenVocabulary:
         pieces = tokenizer.convert_ids_to_tokens(list(range(size)))
         byte_level = "ByteLevel" in _decoder_types(tokenizer)
         byte_map = _byte_decoder()
-        added = {int(i): tok for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items()}
-        special = {int(i) for i in getattr(tokenizer, "all_special_ids", [])}
-        special |= {i for i, tok in added.items() if getattr(tok, "special", False)}
+        added = {int(i): tok for i, tok in tokenizer.added_tokens_decoder.items()}
+        special = {int(i) for i in tokenizer.all_special_ids}
+        special |= {i for i, tok in added.items() if tok.special}
         eos = {i for i in (tokenizer.eos_token_id,) if i is not None} | set(extra_eos)
         text_bytes: list[bytes] = []
         keys: list[bytes] = []
@@ -164,3 +165,20 @@ class TokenVocabulary:
 def is_char_boundary(text: bytes, offset: int) -> bool:
     """True unless ``offset`` falls inside a multi-byte UTF-8 character."""
     return offset >= len(text) or (text[offset] & 0xC0) != 0x80
+
+
+def valid_utf8_prefix(data: bytes) -> str:
+    """The longest prefix of ``data`` that decodes; a draft may end inside a multi-byte character."""
+    for cut in range(0, 4):
+        try:
+            return data[: len(data) - cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return data.decode("utf-8", errors="ignore")
+
+
+def boundary_index(ends: list[int], offset: int) -> int | None:
+    """Index of the token that starts at byte ``offset`` (one past the tokens ending there),
+    or None when ``offset`` falls inside a token: the position is not a boundary."""
+    i = bisect.bisect_right(ends, offset)
+    return i if offset == 0 or (i > 0 and ends[i - 1] == offset) else None

@@ -28,7 +28,7 @@ from transformers.generation.logits_process import (
 )
 
 from lm_eval_safe.aggregate import Choice
-from lm_eval_safe.decoding import SafeDecoder
+from lm_eval_safe.ensembling import Ensembler
 from lm_eval_safe.options import OptionError, RequestError
 from lm_eval_safe.sampling import (
     RowSampler,
@@ -342,13 +342,13 @@ def test_first_string_is_distributed_as_the_ensemble(
     lam = 0.001 if sharpen == "heuristic" else 0.1
     lm = make_lm(tiny_bpe_dir, verifier_dir, aggregator="gac", sharpen=sharpen, sharpen_lambda=lam)
     seen: list[Any] = []
-    original = SafeDecoder._sample_choice
+    original = Ensembler.sample
 
-    def record(self: SafeDecoder, views: list, drafted: int, sampler: RowSampler) -> Choice:
+    def record(self: Ensembler, views: list, drafted: int, sampler: RowSampler) -> Choice:
         seen.append(views)
         return original(self, views, drafted, sampler)
 
-    monkeypatch.setattr(SafeDecoder, "_sample_choice", record)
+    monkeypatch.setattr(Ensembler, "sample", record)
     lm.generate_until([gen_request(prompt, until=[], max_gen_toks=1, do_sample=True, **warp)], True)
     monkeypatch.undo()
     assert len(seen) == 1, "the first position is always an ensemble point when sampling"
@@ -380,7 +380,7 @@ def test_first_string_is_distributed_as_the_ensemble(
     counts: Counter = Counter()
     for _ in range(20_000):
         drafted = sampler.sample(views[0].logprobs)
-        counts[lm.decoder._sample_choice(views, drafted, sampler).key] += 1
+        counts[lm.decoder.ensembler.sample(views, drafted, sampler).key] += 1
     statistic, p, dof = chi_square(counts, expected)
     print(
         f"exactness gac/{sharpen}: chi2={statistic:.1f}, dof={dof} ({len(expected)} strings), p={p:.3f}"
@@ -436,7 +436,7 @@ def test_decoder_loop_samples_the_ensemble_then_the_drafter_where_misaligned(
     )
     expected: dict[str, float] = {}
     for string, p_first in first.items():
-        ids = lm.decoder._to_drafter_ids(Choice(string, p_first, False), drafted=0)
+        ids = lm.decoder.ensembler.to_drafter_ids(Choice(string, p_first, False), drafted=0)
         if ids[-1] in drafter.eos_ids or len(ids) >= 2:
             endings = {(): 1.0}
         else:

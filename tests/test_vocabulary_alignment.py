@@ -23,9 +23,9 @@ import torch
 from transformers import AutoTokenizer
 
 from lm_eval_safe.aggregate import UnionVocabulary
-from lm_eval_safe.decoding import valid_utf8_prefix
-from lm_eval_safe.members import ALIASES, cache_root
-from lm_eval_safe.vocabulary import EOS_KEY, TokenVocabulary, is_char_boundary
+from lm_eval_safe.aliases import ALIASES
+from lm_eval_safe.disk_cache import cache_root
+from lm_eval_safe.vocabulary import EOS_KEY, TokenVocabulary, is_char_boundary, valid_utf8_prefix
 
 HARD_TEXTS = [
     r"\frac{a}{b}",

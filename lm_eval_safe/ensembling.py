@@ -1,0 +1,150 @@
+"""What happens at an ensemble point (SAFE_SPEC §3 step 4, §4): the aggregate's choice (greedy)
+or speculative sampling's keep-or-replace (README "Sampling"), and the chosen string as the
+drafter's ids.
+
+The aggregators themselves (``gac``, ``unite``, sharpening) are in :mod:`lm_eval_safe.aggregate`;
+this module applies them for one drafter, which is what decides which strings can be written.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import torch
+
+from lm_eval_safe.aggregate import (
+    Choice,
+    UnionVocabulary,
+    View,
+    gac,
+    gac_distribution,
+    unite,
+    unite_distribution,
+)
+from lm_eval_safe.disk_cache import cache_root
+from lm_eval_safe.members import Member
+from lm_eval_safe.options import SafeOptions
+from lm_eval_safe.sampling import RowSampler
+from lm_eval_safe.vocabulary import EOS_KEY
+
+# How a string becomes drafter ids (see Ensembler._route).
+_EOS, _TOKEN, _ENCODE, _FALLBACK = "eos", "token", "encode", "fallback"
+
+
+class Ensembler:
+    """The ensemble decisions of one decoder: its aggregator over the drafter and verifiers."""
+
+    def __init__(self, drafter: Member, verifiers: list[Member], options: SafeOptions):
+        self.drafter = drafter
+        self.verifiers = verifiers
+        self.options = options
+        self._union: UnionVocabulary | None = None
+
+    @property
+    def union(self) -> UnionVocabulary:
+        """GaC's union vocabulary, built (or read from its disk cache) on first use."""
+        if self._union is None:
+            vocabs = [self.drafter.vocab] + [v.vocab for v in self.verifiers]
+            self._union = UnionVocabulary.build(vocabs, cache_root(self.options.cache_dir))
+        return self._union
+
+    # -- greedy -----------------------------------------------------------------------------
+    def choose(self, views: list[View]) -> Choice:
+        """The aggregate's argmax string (sharpened when mass is smeared over variants)."""
+        o = self.options
+        if o.aggregator == "gac":
+            return gac(views, self.union, o.sharpen, o.sharpen_lambda, o.top_k)
+        return unite(views, o.sharpen, o.sharpen_lambda, o.top_k)
+
+    # -- sampled ----------------------------------------------------------------------------
+    def sample(self, views: list[View], drafted: int, sampler: RowSampler) -> Choice:
+        """Speculative sampling at an ensemble point, over strings.
+
+        P_draft is the drafter's warped distribution summed per string; P_ens the aggregate of
+        every member's warped distribution (the same code as the greedy argmax), restricted to
+        strings the drafter can write and renormalised. The drafted string is kept with
+        probability min(1, P_ens/P_draft), else replaced by a draw from the residual
+        norm(max(0, P_ens - P_draft)): the string emitted is distributed as P_ens.
+        """
+        o = self.options
+        warped = [View(sampler.warp(v.logprobs), v.vocab, v.tokenizer, v.weight) for v in views]
+        drafter_probs = warped[0].logprobs.exp()
+        if o.aggregator == "gac":
+            target = gac_distribution(warped, self.union, o.sharpen, o.sharpen_lambda, o.top_k)
+            mapping = self.union.maps[0]
+            draft = torch.zeros(len(self.union), dtype=torch.float64)
+            draft.scatter_add_(0, mapping, drafter_probs)
+            drafted_index = int(mapping[drafted])
+            probs = target.probs * self._union_sayable
+        else:
+            # unite's strings, then one slot for every other string (P_ens is 0 there)
+            target = unite_distribution(warped, o.sharpen, o.sharpen_lambda, o.top_k)
+            ids_of = self._drafter_ids_by_key
+            draft = torch.tensor(
+                [float(drafter_probs[ids_of.get(key, [])].sum()) for key in target.keys] + [0.0],
+                dtype=torch.float64,
+            )
+            draft[-1] = max(0.0, 1.0 - float(draft.sum()))
+            key = self.drafter.vocab.keys[drafted]
+            drafted_index = target.keys.index(key) if key in target.keys else len(target.keys)
+            sayable = [self.can_write(k) for k in target.keys] + [False]
+            probs = torch.cat([target.probs, torch.zeros(1, dtype=torch.float64)])
+            probs = probs * torch.tensor(sayable, dtype=torch.float64)
+        total = float(probs.sum())
+        if total <= 0.0:  # the members share no string the drafter can write: keep its draw
+            return Choice(self.drafter.vocab.keys[drafted], 0.0, False)
+        probs = probs / total
+        index = sampler.keep_or_resample(probs, draft, drafted_index)
+        if index == drafted_index:
+            return Choice(self.drafter.vocab.keys[drafted], float(probs[index]), target.sharpened)
+        return Choice(target.keys[index], float(probs[index]), target.sharpened)
+
+    @cached_property
+    def _drafter_ids_by_key(self) -> dict[bytes, list[int]]:
+        """Every drafter id of each string (several ids may spell one string: P_draft sums them)."""
+        ids: dict[bytes, list[int]] = {}
+        for token_id, key in enumerate(self.drafter.vocab.keys):
+            ids.setdefault(key, []).append(token_id)
+        return ids
+
+    @cached_property
+    def _union_sayable(self) -> torch.Tensor:
+        """1.0 for each union string the drafter can write, else 0.0."""
+        return torch.tensor([self.can_write(key) for key in self.union.keys], dtype=torch.float64)
+
+    # -- strings as drafter ids -------------------------------------------------------------
+    def _route(self, key: bytes) -> str:
+        """How :meth:`to_drafter_ids` writes ``key``: the drafter's EOS, its own token, the
+        encoding of the text, or not at all (another member's special token, bytes that are no
+        UTF-8 text the drafter has no token for, EOS when the drafter has none): the drafted
+        token stays."""
+        if key == EOS_KEY:
+            return _EOS if self.drafter.eos_id is not None else _FALLBACK
+        if key in self.drafter.vocab.lookup:
+            return _TOKEN
+        if key.startswith(b"\x00"):
+            return _FALLBACK
+        try:
+            key.decode("utf-8")
+        except UnicodeDecodeError:
+            return _FALLBACK
+        return _ENCODE
+
+    def can_write(self, key: bytes) -> bool:
+        """The drafter writes ``key`` with ids of its own rather than keeping its drafted token."""
+        return self._route(key) != _FALLBACK
+
+    def to_drafter_ids(self, choice: Choice, drafted: int) -> list[int]:
+        """The chosen string as drafter ids (SAFE_SPEC §4): gac keeps all ids, unite the first."""
+        vocab = self.drafter.vocab
+        route = self._route(choice.key)
+        if route == _EOS:
+            return [self.drafter.eos_id]  # type: ignore[list-item]
+        if route == _FALLBACK or vocab.keys[drafted] == choice.key:
+            return [drafted]
+        if route == _TOKEN:
+            return [vocab.lookup[choice.key]]
+        ids = vocab.encode_text(self.drafter.tokenizer, choice.key.decode("utf-8"))
+        if not ids:
+            return [drafted]
+        return ids if self.options.aggregator == "gac" else ids[:1]

@@ -1,0 +1,165 @@
+"""Each member's decoding state for one request: the drafter's tokens and KV-cache length, and a
+verifier's tokenization of the text with its reusable cache (SAFE_SPEC §3 steps 1-2, §6).
+
+Both speak only in :class:`~lm_eval_safe.batching.Forward` requests (yielded from their step
+generators), so the same state runs alone or as one row of a batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lm_eval_safe.batch_driver import Steps, drive, solo_batch
+from lm_eval_safe.batching import Forward, MemberBatch
+from lm_eval_safe.members import Member
+from lm_eval_safe.sampling import RowSampler
+from lm_eval_safe.vocabulary import boundary_index
+
+
+class WindowExhausted(RuntimeError):
+    """A verifier's context window is full; the request continues with the drafter alone."""
+
+
+def verifier_reserve(member: Member, max_new_tokens: int) -> int:
+    """Window room kept free after a verifier's prompt: its tokenization of the generated text
+    may be longer than the drafter's (at most twice, plus a margin), but never more than half
+    of the window is taken from the prompt."""
+    return min(member.max_length // 2, 2 * max_new_tokens + 8)
+
+
+class DrafterRun:
+    """The drafter's decoding state for one request: tokens in its cache plus ids not yet fed.
+
+    Drafted tokens after an ensemble point whose choice was the drafter's own token are kept
+    (``carried``) rather than drafted again: they were drawn from the same cache and prefix
+    (greedy decoding would reproduce them exactly; a sample of them is as valid as a new one),
+    so the next cycle starts with them and drafts only the rest of its window. ``sampler``:
+    None picks the argmax, else tokens are drawn from the request's warped distribution.
+    """
+
+    def __init__(
+        self,
+        member: Member,
+        prompt_ids: list[int],
+        slot: int = 0,
+        sampler: RowSampler | None = None,
+    ):
+        self.member = member
+        self.slot = slot
+        self.sampler = sampler
+        self.prompt_len = len(prompt_ids)
+        self.cached = 0
+        self.pending = list(prompt_ids)
+        self.drafted = 0  # drafter forwards that produced a token (carried tokens count once)
+        self.carried: list[tuple[int, torch.Tensor]] = []
+
+    def draft(self, n: int) -> Steps:
+        taken, self.carried = self.carried[:n], self.carried[n:]
+        tokens = [token for token, _ in taken]
+        logprobs = [row for _, row in taken]
+        if tokens and tokens[-1] in self.member.eos_ids:
+            return tokens, logprobs
+        while len(tokens) < n:
+            fed = self.pending
+            rows = yield Forward(self.slot, self.cached, fed, [len(fed) - 1])
+            self.cached += len(fed)
+            self.drafted += 1
+            row = rows[0]
+            token = int(torch.argmax(row)) if self.sampler is None else self.sampler.sample(row)
+            tokens.append(token)
+            logprobs.append(row)
+            self.pending = [token]
+            if token in self.member.eos_ids:
+                break
+        return tokens, logprobs
+
+    def carry(self, tokens: list[int], logprobs: list[torch.Tensor]) -> None:
+        """Keep drafted tokens that follow an accepted ensemble point for the next cycle."""
+        self.carried = list(zip(tokens, logprobs, strict=True)) + self.carried
+
+    def rewind(self, generated_kept: int, pending: list[int]) -> None:
+        """Drop drafted tokens from the cache: keep the prompt and ``generated_kept`` tokens."""
+        self.cached = min(self.cached, self.prompt_len + generated_kept)
+        self.pending = list(pending)
+        self.carried = []
+
+
+class VerifierRun:
+    """A verifier's state for one request: its tokenization of the text and a reusable KV cache.
+
+    ``pred[i]`` holds the log-probabilities predicting generated token ``i`` (``pred[0]`` comes
+    from the prompt). When the text grows, the cache is kept up to the longest prefix of the old
+    ids that the new tokenization still starts with (BPE may re-merge the last tokens), and only
+    the rest is recomputed. The prompt is never recomputed.
+    """
+
+    def __init__(
+        self, member: Member, prompt_ids: list[int], reuse_cache: bool = True, slot: int = 1
+    ):
+        self.member = member
+        self.slot = slot
+        self.prompt_ids = list(prompt_ids)
+        self.reuse_cache = reuse_cache
+        self.gen_ids: list[int] = []
+        self.pred: dict[int, torch.Tensor] = {}
+        self.recomputed = 0
+        self._solo: dict[int, MemberBatch] | None = None
+
+    def sync(
+        self, text: str, text_bytes: bytes, want_offsets: set[int] | None = None
+    ) -> tuple[list[int], list[int] | None]:
+        """:meth:`sync_steps` run on this verifier's own cache (outside a batch)."""
+        if self._solo is None:
+            self._solo = {self.slot: solo_batch(self.member)}
+        return drive(self.sync_steps(text, text_bytes, want_offsets), self._solo)
+
+    def sync_steps(
+        self, text: str, text_bytes: bytes, want_offsets: set[int] | None = None
+    ) -> Steps:
+        """Tokenize the generated ``text`` and feed what the cache lacks in one forward pass.
+
+        ``pred`` then holds the distributions predicting the token at each byte offset in
+        ``want_offsets`` that is one of this verifier's token boundaries (``None``: at the end
+        of the text only). Returns the ids and each token's end offset in ``text_bytes`` (None if
+        the ids do not spell the text exactly: then no position of this text is aligned).
+        """
+        if 0 not in self.pred:
+            prompt = self.prompt_ids
+            self.pred[0] = (yield Forward(self.slot, 0, prompt, [len(prompt) - 1]))[0]
+        ids = self.member.vocab.encode_text(self.member.tokenizer, text)
+        if len(self.prompt_ids) + len(ids) > self.member.max_length:
+            raise WindowExhausted(self.member.name)
+        ends = self.member.vocab.token_ends(ids, text_bytes[: len(text.encode("utf-8"))])
+        keep = 0
+        if self.reuse_cache:
+            limit = min(len(ids), len(self.gen_ids))
+            while keep < limit and ids[keep] == self.gen_ids[keep]:
+                keep += 1
+        # rows up to index `keep` depend only on unchanged tokens and stay valid
+        for stale in [i for i in self.pred if i > keep]:
+            del self.pred[stale]
+        wanted = {len(ids)} if want_offsets is None else self._indices_at(want_offsets, ends)
+        missing = sorted(i for i in wanted if i not in self.pred)
+        start = min(keep, missing[0] - 1) if missing else keep  # pred[0] always exists
+        feed = ids[start:]
+        if feed:
+            want = [i - 1 - start for i in missing]
+            rows = yield Forward(self.slot, len(self.prompt_ids) + start, feed, want)
+            for i, row in zip(missing, rows, strict=True):
+                self.pred[i] = row
+            self.recomputed += len(feed)
+        self.gen_ids = ids
+        return ids, ends
+
+    @staticmethod
+    def _indices_at(offsets: set[int], ends: list[int] | None) -> set[int]:
+        """Token index predicted at each byte offset that is a token boundary."""
+        if ends is None:
+            return set()
+        found = (boundary_index(ends, offset) for offset in offsets)
+        return {i for i in found if i is not None}
+
+    def forget_before(self, index: int) -> None:
+        """Free rows no future boundary can need (row 0, the prompt's, is kept: it is cheap)."""
+        for stale in [i for i in self.pred if 0 < i < index]:
+            del self.pred[stale]

@@ -1,0 +1,277 @@
+"""When to ensemble (SAFE_SPEC §3 step 3): one class per schedule, chosen once from the options.
+
+A schedule looks at one cycle's drafted window and says which drafted positions are ensemble
+points, syncing the verifiers only when its rule needs their distributions. SAFE and the
+paper's baselines are schedules of the same decoder loop, so a comparison between them compares
+policies, not code bases:
+
+- :class:`Safe`: aligned positions (a token boundary of every tokenizer) where the members do
+  not already agree (:func:`consensus`); with ``aggregator=gac`` also GaC's own gate;
+- :class:`Aligned`: every aligned position (SAFE without the consensus skip);
+- :class:`EveryToken`: every token, misaligned ones included (the UniTE baseline);
+- :class:`Threshold`: where the drafter's largest probability is below ``threshold`` (GaC);
+- :class:`DrafterAlone`: never (the drafter alone through the same loop).
+
+Greedy decoding takes the first point only (the text after it changes); sampling tests every
+aligned point of the window in order (README "Sampling").
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lm_eval_safe.aggregate import View
+from lm_eval_safe.batch_driver import Steps
+from lm_eval_safe.draft_window import DraftWindow
+from lm_eval_safe.member_runs import VerifierRun
+from lm_eval_safe.members import Member
+from lm_eval_safe.options import SafeOptions
+from lm_eval_safe.stats import GenerationStats
+from lm_eval_safe.vocabulary import boundary_index, is_char_boundary, valid_utf8_prefix
+
+#: GaC's gate: a drafter at least this sure of its token is never ensembled.
+GAC_GATE = 0.5
+
+
+def consensus(own_is_argmax: Sequence[bool], own_probs: Sequence[float], weights: Sequence[float]) -> bool:
+    """SAFE's skip rules: (a) every verifier's argmax is its own next token
+    (``own_is_argmax``, verifiers only), or (b) the weighted mean over all members of each one's
+    probability of its own next token exceeds 0.5 (``own_probs`` and ``weights`` in one order,
+    every member). By the paper's Theorem 1 either makes the drafter's token the mean
+    aggregate's argmax, so skipping the ensemble loses nothing. Shared by the decoder and by
+    loglikelihood's ``is_greedy``."""
+    if all(own_is_argmax):
+        return True
+    mean = sum(w * p for w, p in zip(weights, own_probs, strict=True)) / sum(weights)
+    return mean > 0.5
+
+
+@dataclass
+class Draft:
+    """One cycle's drafted window: the generated text before it, its tokens and the drafter's
+    log-probs predicting each."""
+
+    committed: bytes
+    tokens: list[int]
+    logprobs: list[torch.Tensor]
+
+
+@dataclass
+class EnsemblePoint:
+    position: int  # index into the drafted tokens
+    views: list[View]
+
+
+class Schedule(ABC):
+    """Which drafted positions of a cycle to ensemble."""
+
+    name: str
+    needs_verifiers = True
+
+    def __init__(self, drafter: Member, weights: list[float]):
+        self.drafter = drafter
+        self.weights = weights  # drafter first, then the verifiers in order
+
+    def draft_size(self, window: DraftWindow, budget: int) -> int:
+        return min(window.size, budget)
+
+    @abstractmethod
+    def points(
+        self, draft: Draft, verifiers: list[VerifierRun], stats: GenerationStats, sampled: bool
+    ) -> Steps:
+        """Steps returning ``(points, judged)``: the ensemble points in order and how many
+        drafted positions that settles (later ones wait for the next cycle)."""
+
+    def _drafter_view(self, row: torch.Tensor) -> View:
+        return View(row, self.drafter.vocab, self.drafter.tokenizer, self.weights[0])
+
+    def _views_at_end(
+        self,
+        verifiers: list[VerifierRun],
+        text_bytes: bytes,
+        drafter_row: torch.Tensor,
+        stats: GenerationStats,
+    ) -> Steps:
+        """Views after each verifier's full tokenization of the text (OOV-like where misaligned:
+        the behaviour of the every-token and threshold baselines, counted in the stats)."""
+        text = valid_utf8_prefix(text_bytes)
+        aligned = len(text.encode("utf-8")) == len(text_bytes)
+        views = [self._drafter_view(drafter_row)]
+        for verifier, weight in zip(verifiers, self.weights[1:], strict=True):
+            ids, ends = yield from verifier.sync_steps(text, text_bytes)
+            aligned = aligned and ends is not None and (not ends or ends[-1] == len(text_bytes))
+            member = verifier.member
+            views.append(View(verifier.pred[len(ids)], member.vocab, member.tokenizer, weight))
+        stats.misaligned_ensembles += int(not aligned)
+        return views
+
+
+class DrafterAlone(Schedule):
+    name = "drafter"
+    needs_verifiers = False
+
+    def points(
+        self, draft: Draft, verifiers: list[VerifierRun], stats: GenerationStats, sampled: bool
+    ) -> Steps:
+        yield from ()
+        return [], len(draft.tokens)
+
+
+class EveryToken(Schedule):
+    """One token per cycle, each an ensemble point, aligned or not (UniTE's baseline)."""
+
+    name = "every"
+
+    def draft_size(self, window: DraftWindow, budget: int) -> int:
+        return 1
+
+    def points(
+        self, draft: Draft, verifiers: list[VerifierRun], stats: GenerationStats, sampled: bool
+    ) -> Steps:
+        views = yield from self._views_at_end(verifiers, draft.committed, draft.logprobs[0], stats)
+        return [EnsemblePoint(0, views)], 1
+
+
+class Threshold(Schedule):
+    """GaC's baseline: the first position where the drafter's largest probability is below
+    ``threshold`` (it reads the drafter's distribution only, never the token drawn)."""
+
+    name = "threshold"
+
+    def __init__(self, drafter: Member, weights: list[float], threshold: float):
+        super().__init__(drafter, weights)
+        self.threshold = threshold
+
+    def points(
+        self, draft: Draft, verifiers: list[VerifierRun], stats: GenerationStats, sampled: bool
+    ) -> Steps:
+        for j, row in enumerate(draft.logprobs):
+            if float(row.max().exp()) < self.threshold:
+                prefix = draft.committed + self.drafter.vocab.spell(draft.tokens[:j])
+                views = yield from self._views_at_end(verifiers, prefix, row, stats)
+                return [EnsemblePoint(j, views)], j + 1
+        return [], len(draft.tokens)
+
+
+class Aligned(Schedule):
+    """Every position that is a token boundary of every member's tokenization (SAFE without
+    its consensus skip, and the base of :class:`Safe`)."""
+
+    name = "aligned"
+    skips_on_consensus = False
+    gac_gate = False
+
+    def points(
+        self, draft: Draft, verifiers: list[VerifierRun], stats: GenerationStats, sampled: bool
+    ) -> Steps:
+        """Drafter-side filters first, so a cycle with no candidate position costs no verifier
+        forward at all (the verifier caches catch up in a later cycle).
+
+        Sampling: the start of the generation is a token boundary of every member whatever is
+        drawn there (each tokenizes the prompt and the generated text apart), so it is not judged
+        from the drafted token, and the first string is distributed exactly as P_ens."""
+        vocab, eos_ids = self.drafter.vocab, self.drafter.eos_ids
+        full = draft.committed + vocab.spell(draft.tokens)
+        start = sampled and not draft.committed
+        candidates: list[tuple[int, int]] = []  # (drafted index, byte offset before it)
+        offset = len(draft.committed)
+        for j, token in enumerate(draft.tokens):
+            here = offset
+            offset += len(vocab.text_bytes[token])
+            if self.gac_gate and float(draft.logprobs[j].max().exp()) >= GAC_GATE:
+                # a confident drafter is never ensembled (its largest probability: the drafted
+                # token's own when greedy; never the token drawn)
+                continue
+            is_eos = token in eos_ids
+            if not (start and j == 0) and (
+                (not is_eos and here == offset) or not is_char_boundary(full, here)
+            ):
+                continue
+            candidates.append((j, here))
+        if not candidates:
+            return [], len(draft.tokens)
+        text = valid_utf8_prefix(full)
+        want = {here for _, here in candidates}
+        synced = []
+        for verifier in verifiers:
+            ids, ends = yield from verifier.sync_steps(text, full, want)
+            if ends is None and not start:
+                return [], len(draft.tokens)
+            synced.append((verifier, ids, ends))
+        points: list[EnsemblePoint] = []
+        for j, here in candidates:
+            token = draft.tokens[j]
+            if start and j == 0:
+                indices: list[tuple[int, int | None]] | None = [(0, None)] * len(synced)
+            else:
+                indices = self._aligned_indices(synced, here, token in eos_ids)
+            if indices is None:
+                continue
+            stats.aligned_positions += 1
+            views = [self._drafter_view(draft.logprobs[j])]
+            views += [
+                View(verifier.pred[i], verifier.member.vocab, verifier.member.tokenizer, w)
+                for (verifier, _, _), (i, _), w in zip(synced, indices, self.weights[1:], strict=True)
+            ]
+            if self.skips_on_consensus and not sampled and self._agree(views, token, indices):
+                continue
+            points.append(EnsemblePoint(j, views))
+            if not sampled:
+                return points, j + 1
+        return points, len(draft.tokens)
+
+    @staticmethod
+    def _aligned_indices(
+        synced: list[tuple[VerifierRun, list[int], list[int] | None]], here: int, is_eos: bool
+    ) -> list[tuple[int, int | None]] | None:
+        """Each verifier's index predicting the token at byte ``here`` and its own next token
+        there, or None when ``here`` is not a boundary of every verifier's tokenization."""
+        indices: list[tuple[int, int | None]] = []
+        for verifier, ids, ends in synced:
+            i = None if ends is None else boundary_index(ends, here)
+            if i is None:
+                return None
+            own = ids[i] if i < len(ids) else (verifier.member.eos_id if is_eos else None)
+            if own is None or (is_eos and i < len(ids)):
+                return None
+            indices.append((i, own))
+        return indices
+
+    @staticmethod
+    def _agree(views: list[View], token: int, indices: list[tuple[int, int | None]]) -> bool:
+        owns = [own for _, own in indices]
+        return consensus(
+            [int(torch.argmax(v.logprobs)) == own for v, own in zip(views[1:], owns, strict=True)],
+            [float(views[0].logprobs[token].exp())]
+            + [float(v.logprobs[own].exp()) for v, own in zip(views[1:], owns, strict=True)],
+            [v.weight for v in views],
+        )
+
+
+class Safe(Aligned):
+    """SAFE: aligned positions where the members disagree; with GaC, a confident drafter is
+    never ensembled either (the paper's GaC+SAFE)."""
+
+    name = "safe"
+    skips_on_consensus = True
+
+    def __init__(self, drafter: Member, weights: list[float], gac_gate: bool):
+        super().__init__(drafter, weights)
+        self.gac_gate = gac_gate
+
+
+def make_schedule(options: SafeOptions, drafter: Member, weights: list[float], verifiers: int) -> Schedule:
+    """The options' schedule (the drafter alone when there is no verifier)."""
+    if not verifiers or options.schedule == "drafter":
+        return DrafterAlone(drafter, weights)
+    if options.schedule == "every":
+        return EveryToken(drafter, weights)
+    if options.schedule == "threshold":
+        return Threshold(drafter, weights, options.threshold)
+    if options.schedule == "aligned":
+        return Aligned(drafter, weights)
+    return Safe(drafter, weights, gac_gate=options.aggregator == "gac")
