@@ -219,6 +219,10 @@ class SafeOptions:
         data.pop("extra")
         return data
 
+    def member_weights(self, members: int) -> list[float]:
+        """One weight per member: as given, or equal."""
+        return list(self.weights) if self.weights else [1.0] * members
+
     def output_identity(self) -> dict[str, Any]:
         """The options that can change a response or a score (:data:`OUTPUT_OPTIONS`), for
         keying cached results: two runs agreeing here may share a ``--use_cache`` entry."""

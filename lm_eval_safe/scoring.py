@@ -15,9 +15,7 @@ vocab] tensor of log-probs.
 
 from __future__ import annotations
 
-import bisect
 import logging
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,9 +23,9 @@ from typing import Any
 import torch
 
 from lm_eval_safe import kv_cache
+from lm_eval_safe.forward import vocab_logits
 from lm_eval_safe.members import Member
 from lm_eval_safe.small_rows import small_row_linears
-from lm_eval_safe.vocabulary import is_char_boundary
 
 logger = logging.getLogger(__name__)
 
@@ -45,15 +43,6 @@ class ScoringError(ValueError):
     def __init__(self, index: int, message: str):
         super().__init__(message)
         self.index = index
-
-
-@dataclass
-class MemberScore:
-    """One member's view of a scored text: per-token log-probs, argmax flags, byte ends."""
-
-    logprobs: list[float]
-    greedy: list[bool]
-    ends: list[int] | None  # end offset of each token in the scored bytes; None: unknown
 
 
 @dataclass
@@ -154,7 +143,7 @@ def _pick(
 
     Columns past the tokenizer's size (padded embedding rows) are not tokens and are dropped.
     logsumexp instead of log_softmax: nothing of vocabulary size is materialised twice."""
-    logits = logits[..., :vocab].float()
+    logits = vocab_logits(logits, vocab)
     lse = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     return picked, logits.argmax(dim=-1) == targets
@@ -192,7 +181,7 @@ def _contexts_forward(
             logits = kv_cache.run(
                 model, cache, input_ids=torch.tensor([ctx[reused:]], device=device), logits_to_keep=1
             ).logits
-            firsts.append(logits[0, -1, :vocab].float())
+            firsts.append(vocab_logits(logits[0, -1], vocab))
             store.add(ctx, cache)
             caches.append(cache)
         return torch.stack(firsts), kv_cache.stack_left_padded(caches, width)
@@ -209,7 +198,7 @@ def _contexts_forward(
         for b, ctx in enumerate(contexts):
             store.looked_up_tokens += len(ctx)
             store.add(ctx, cache, row=b, offset=width - len(ctx))
-    return logits[:, -1, :vocab].float(), cache
+    return vocab_logits(logits[:, -1], vocab), cache
 
 
 @torch.inference_mode()
@@ -325,96 +314,3 @@ def score_members(
                 label = labels[exc.index] if exc.index < len(labels) else exc.index
                 raise ValueError(f"{kind} request {label!r}: {exc}") from None
     return results
-
-
-def _segments(scores: list[MemberScore], text: bytes) -> list[int]:
-    """Segment ends: byte offsets that end a token of every member (and a UTF-8 character),
-    plus the end of the text. A member whose tokens do not spell the text leaves one segment."""
-    total = len(text)
-    if any(s.ends is None for s in scores):
-        return [total]
-    common = set.intersection(*(set(s.ends or ()) for s in scores))
-    return sorted(c for c in common if 0 < c < total and is_char_boundary(text, c)) + [total]
-
-
-def combine(
-    scores: list[MemberScore],
-    weights: list[float],
-    how: str,
-    text: bytes,
-    drafter: int = 0,
-    consensus: Callable[[list[float], list[bool]], bool] | None = None,
-) -> tuple[float, bool]:
-    """Ensemble log-probability over common boundaries, and the ``is_greedy`` flag.
-
-    Score: sum over segments of ``log sum_m w_m P_m(segment)`` (``how="mean"``, in log space) or
-    ``sum_m w_m log P_m(segment)`` (``"logmean"``), weights normalised.
-
-    ``is_greedy`` mirrors what greedy SAFE decoding from the context would do. Segment starts
-    are exactly the positions where every tokenizer has a boundary, i.e. SAFE's only candidate
-    ensemble points; inside a segment only the drafter decodes. So a segment is produced when
-    (1) each of the drafter's tokens in it is the drafter's argmax (it drafts the segment), and
-    (2) at the segment start ``consensus(first-token log-probs, first-token-is-argmax flags)``
-    (both in member order) holds, i.e. SAFE skips ensembling there (rule (a)/(b) of SAFE_SPEC
-    §3); by Theorem 1 the mean aggregate would pick the drafter's token anyway, so the flag is
-    also sound for the ``aligned`` schedule. Without ``consensus`` every member's first token must be its argmax (rule
-    (a)). With one member this is lm-eval's own rule: every token is its argmax.
-    """
-    if len(scores) == 1:
-        return sum(scores[0].logprobs), all(scores[0].greedy)
-    cuts = _segments(scores, text)
-    norm = [w / sum(weights) for w in weights]
-    n_seg = len(cuts)
-    seg_lp = [[0.0] * n_seg for _ in scores]
-    first_lp: list[list[float | None]] = [[None] * n_seg for _ in scores]
-    first_greedy: list[list[bool]] = [[True] * n_seg for _ in scores]
-    drafted = [True] * n_seg
-    for m, score in enumerate(scores):
-        ends = score.ends or [len(text)] * len(score.logprobs)
-        for lp, greedy, end in zip(score.logprobs, score.greedy, ends, strict=True):
-            s = min(bisect.bisect_left(cuts, end), n_seg - 1)
-            seg_lp[m][s] += lp
-            if first_lp[m][s] is None:
-                first_lp[m][s], first_greedy[m][s] = lp, greedy
-            if m == drafter and not greedy:
-                drafted[s] = False
-    total, is_greedy = 0.0, True
-    for s in range(n_seg):
-        parts = [seg_lp[m][s] for m in range(len(scores))]
-        if how == "logmean":
-            total += sum(w * lp for w, lp in zip(norm, parts, strict=True) if w > 0)
-        else:
-            top = max(lp for w, lp in zip(norm, parts, strict=True) if w > 0)
-            total += top + math.log(
-                sum(w * math.exp(lp - top) for w, lp in zip(norm, parts, strict=True) if w > 0)
-            )
-        if is_greedy:
-            lps = [
-                lp if lp is not None else 0.0 for lp in (first_lp[m][s] for m in range(len(scores)))
-            ]
-            flags = [first_greedy[m][s] for m in range(len(scores))]
-            agreed = consensus(lps, flags) if consensus else all(flags)
-            is_greedy = drafted[s] and agreed
-    return total, is_greedy
-
-
-def safe_consensus(
-    weights: list[float], drafter: int, schedule: str = "safe", aggregator: str = "unite"
-) -> Callable[[list[float], list[bool]], bool]:
-    """SAFE's skip rule at an aligned position, as the decoder applies it: (a) every verifier's
-    next token is its argmax, or (b) the weighted mean of each member's probability of its own
-    next token exceeds 0.5; with ``gac`` also GaC's gate (drafter's probability >= 0.5); with
-    ``schedule=drafter`` the drafter alone decides."""
-    total = sum(weights)
-
-    def rule(first_lps: list[float], first_greedy: list[bool]) -> bool:
-        if schedule == "drafter":
-            return True
-        if aggregator == "gac" and math.exp(first_lps[drafter]) >= 0.5:
-            return True
-        if all(g for m, g in enumerate(first_greedy) if m != drafter):
-            return True
-        mean = sum(w * math.exp(lp) for w, lp in zip(weights, first_lps, strict=True)) / total
-        return mean > 0.5
-
-    return rule

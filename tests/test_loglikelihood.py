@@ -281,22 +281,22 @@ def test_shared_context_runs_once(tiny_bpe_dir: Path, tiny_sp_dir: Path, batch_s
     assert sum(1 for n in seen if n >= long_ctx - 1) <= 2 * n_batches
 
 
-def test_is_greedy_rule_uses_safe_consensus() -> None:
+def test_is_greedy_rule_uses_safes_consensus() -> None:
     """Two members, one segment: the drafter's tokens are its argmax; the verifier's are not.
     Rule (a) fails, so it is greedy only when rule (b) (mean own-token probability > 0.5) holds."""
-    from lm_eval_safe.scoring import MemberScore, combine, safe_consensus
+    from lm_eval_safe.loglikelihood import MemberScore, combine, greedy_rule
 
     text = b" abc"
     drafter = MemberScore([math.log(0.9), math.log(0.95)], [True, True], [2, 4])
     confident = MemberScore([math.log(0.4)], [False], [4])
     unsure = MemberScore([math.log(0.05)], [False], [4])
-    rule = safe_consensus([1.0, 1.0], 0)
+    rule = greedy_rule([1.0, 1.0], 0)
     assert combine([drafter, confident], [1.0, 1.0], "mean", text, 0, rule)[1] is True
     assert combine([drafter, unsure], [1.0, 1.0], "mean", text, 0, rule)[1] is False
     # without the consensus rule: every member's first token must be its argmax
     assert combine([drafter, confident], [1.0, 1.0], "mean", text, 0)[1] is False
     # the drafter alone: its own argmax decides
-    solo = safe_consensus([1.0, 1.0], 0, schedule="drafter")
+    solo = greedy_rule([1.0, 1.0], 0, schedule="drafter")
     assert combine([drafter, unsure], [1.0, 1.0], "mean", text, 0, solo)[1] is True
     not_drafted = MemberScore([math.log(0.9), math.log(0.3)], [True, False], [2, 4])
     assert combine([not_drafted, confident], [1.0, 1.0], "mean", text, 0, rule)[1] is False
