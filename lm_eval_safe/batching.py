@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from lm_eval_safe import kv_cache
+from lm_eval_safe.forward import forward_logprobs, vocab_logprobs
 from lm_eval_safe.members import Member
 
 logger = logging.getLogger(__name__)
@@ -40,61 +41,6 @@ class Forward:
     keep: int
     ids: list[int]
     want: list[int] = field(default_factory=list)
-
-
-def _vocab_logprobs(member: Member, logits: torch.Tensor) -> torch.Tensor:
-    """Models may pad the embedding matrix beyond the tokenizer (Qwen: 151936 vs 152064 rows):
-    those rows are not tokens and never take part."""
-    logits = logits[..., : len(member.vocab)]
-    # at least float32 (bf16 log-probs are too coarse to compare members); float64 stays float64
-    return torch.log_softmax(
-        logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1
-    ).cpu()
-
-
-@torch.inference_mode()
-def forward_logprobs(
-    member: Member, ids: list[int], cache: Any, keep: int | list[int]
-) -> torch.Tensor:
-    """Feed ``ids`` (one sequence) through ``cache``; log-softmax at the last ``keep`` positions
-    (an int) or at the listed positions of ``ids``.
-
-    Only the needed rows go through the output layer: for a 262k vocabulary it costs more than
-    the rest of a small model.
-    """
-    input_ids = torch.tensor([ids], dtype=torch.long, device=member.input_device)
-    if isinstance(keep, int):
-        to_keep: int | torch.Tensor = keep
-    else:
-        # on cpu: with device_map=auto the hidden states it indexes sit on the last device
-        to_keep = torch.tensor(keep if keep else [len(ids) - 1], dtype=torch.long)
-    out = kv_cache.run(member.model, cache, input_ids=input_ids, logits_to_keep=to_keep)
-    logits = out.logits[0]
-    if isinstance(keep, int):
-        logits = logits[-keep:]
-    elif not keep:
-        logits = logits[:0]
-    return _vocab_logprobs(member, logits)
-
-
-@torch.inference_mode()
-def _head_matches_model(member: Member) -> bool:
-    """Output layer plus soft-capping reproduces the model's own logits (checked once per
-    member, on two tokens): an architecture with other output transforms is refused, not
-    mis-scored."""
-    if "batched_head" not in member.extra:
-        model = member.model
-        matches = model.get_output_embeddings() is not None
-        if matches:
-            ids = torch.tensor(
-                [[member.prefix_token_id, member.prefix_token_id]], device=member.input_device
-            )
-            full = model(input_ids=ids).logits
-            hidden = kv_cache.decoder(model)(input_ids=ids).last_hidden_state
-            mine = kv_cache.output_logits(model, hidden)
-            matches = bool(torch.allclose(mine.float(), full.float(), atol=1e-4, rtol=1e-4))
-        member.extra["batched_head"] = matches
-    return bool(member.extra["batched_head"])
 
 
 class MemberBatch:
@@ -293,7 +239,7 @@ class MemberBatch:
         if picks:
             index_rows = torch.tensor([p[0] for p in picks], device=hidden.device)
             index_cols = torch.tensor([p[1] for p in picks], device=hidden.device)
-            logprobs = _vocab_logprobs(member, self._head(hidden[index_rows, index_cols][None])[0])
+            logprobs = vocab_logprobs(member, self._head(hidden[index_rows, index_cols][None])[0])
             start = 0
             for row, call in calls.items():
                 results[row] = logprobs[start : start + len(call.want)]
@@ -308,11 +254,12 @@ class MemberBatch:
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output layer on chosen hidden states (``logits_to_keep`` selects the same columns
         for every row, which would run a 262k-vocabulary head on every padded position)."""
-        if not _head_matches_model(self.member):
+        member = self.member
+        if not kv_cache.output_head_reproduces_logits(member.model, member.prefix_token_id, member.input_device):
             raise NotImplementedError(
-                f"batch_size>1 cannot reproduce {type(self.member.model).__name__}'s output layer; use batch_size=1"
+                f"batch_size>1 cannot reproduce {type(member.model).__name__}'s output layer; use batch_size=1"
             )
-        return kv_cache.output_logits(self.member.model, hidden)
+        return kv_cache.output_logits(member.model, hidden)
 
 
 # batch_size=auto on CPU: rows decoded together. Past about 8 rows a CPU's matrix units are

@@ -45,6 +45,12 @@ class DamagedEntry(ValueError):
     """A cache entry exists but fails verification (the message says how)."""
 
 
+def cache_root(configured: str | None = None) -> Path:
+    """``cache_dir=`` model arg, else ``$LM_EVAL_SAFE_CACHE``, else ``~/.cache/lm-eval-safe``."""
+    root = configured or os.environ.get("LM_EVAL_SAFE_CACHE") or "~/.cache/lm-eval-safe"
+    return Path(root).expanduser()
+
+
 def _temp_name(path: Path) -> Path:
     """A name no other process or thread will choose, next to ``path`` (same file system)."""
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}")

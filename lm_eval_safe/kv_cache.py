@@ -279,6 +279,25 @@ def output_logits(model: Any, hidden: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+_HEAD_CHECKED: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+@torch.inference_mode()
+def output_head_reproduces_logits(model: Any, token_id: int, device: Any) -> bool:
+    """Whether :func:`output_logits` on the decoder's hidden states gives the model's own
+    logits (checked once per model, on two tokens): an architecture with other output
+    transforms is refused by the batched path, not mis-scored."""
+    if model not in _HEAD_CHECKED:
+        matches = model.get_output_embeddings() is not None
+        if matches:
+            ids = torch.tensor([[token_id, token_id]], device=device)
+            full = model(input_ids=ids).logits
+            mine = output_logits(model, decoder(model)(input_ids=ids).last_hidden_state)
+            matches = bool(torch.allclose(mine.float(), full.float(), atol=1e-4, rtol=1e-4))
+        _HEAD_CHECKED[model] = matches
+    return _HEAD_CHECKED[model]
+
+
 # -- attention masks from real positions ------------------------------------------------------
 def attention_mask(
     model: Any, key_pos: torch.Tensor, query_pos: torch.Tensor, device: Any

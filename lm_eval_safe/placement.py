@@ -136,5 +136,5 @@ def visible_hardware() -> tuple[int, bool]:
     import torch
 
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+    mps = torch.backends.mps.is_available()
     return cuda_count, mps

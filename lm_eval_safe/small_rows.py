@@ -195,6 +195,6 @@ def small_row_linears(members: Iterable[Any]) -> Iterator[None]:
     """Every member's small-row forms active for the forwards run inside this block."""
     with ExitStack() as stack:
         for member in members:
-            if getattr(member, "small_rows", None) is not None:
+            if member.small_rows is not None:
                 stack.enter_context(member.small_rows.active())
         yield

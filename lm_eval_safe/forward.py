@@ -1,0 +1,54 @@
+"""Running a member on one sequence through a kept cache, and log-probs over its own tokenizer's
+ids (never over padded embedding rows).
+
+Shared by the batch (:mod:`lm_eval_safe.batching`), which runs a lone prompt exactly as an
+unbatched request does, and by scoring."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lm_eval_safe import kv_cache
+from lm_eval_safe.members import Member
+
+
+def vocab_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits over the tokenizer's ids only, in at least float32.
+
+    Models may pad the embedding matrix beyond the tokenizer (Qwen: 151936 vs 152064 rows):
+    those rows are not tokens and never take part. bf16 log-probs are too coarse to compare
+    members; float64 stays float64."""
+    logits = logits[..., :vocab_size]
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def vocab_logprobs(member: Member, logits: torch.Tensor) -> torch.Tensor:
+    """Log-softmax over the member's tokenizer ids, on the CPU where decoding reads them."""
+    return torch.log_softmax(vocab_logits(logits, len(member.vocab)), dim=-1).cpu()
+
+
+@torch.inference_mode()
+def forward_logprobs(
+    member: Member, ids: list[int], cache: Any, keep: int | list[int]
+) -> torch.Tensor:
+    """Feed ``ids`` (one sequence) through ``cache``; log-softmax at the last ``keep`` positions
+    (an int) or at the listed positions of ``ids``.
+
+    Only the needed rows go through the output layer: for a 262k vocabulary it costs more than
+    the rest of a small model.
+    """
+    input_ids = torch.tensor([ids], dtype=torch.long, device=member.input_device)
+    if isinstance(keep, int):
+        to_keep: int | torch.Tensor = keep
+    else:
+        # on cpu: with device_map=auto the hidden states it indexes sit on the last device
+        to_keep = torch.tensor(keep if keep else [len(ids) - 1], dtype=torch.long)
+    out = kv_cache.run(member.model, cache, input_ids=input_ids, logits_to_keep=to_keep)
+    logits = out.logits[0]
+    if isinstance(keep, int):
+        logits = logits[-keep:]
+    elif not keep:
+        logits = logits[:0]
+    return vocab_logprobs(member, logits)
