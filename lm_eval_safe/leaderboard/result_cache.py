@@ -49,30 +49,35 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-")
 
 
-def cache_path(
-    out: Path,
-    config: Config,
-    task: str,
-    limit: float | None,
-    model_args: str,
-    gen_kwargs: dict[str, Any],
-    apply_chat_template: bool,
-) -> Path:
-    """``<out>/cache/<config>__<task>__limit<N>__<hash>.json``; the hash covers the settings."""
-    key = json.dumps(
-        {
-            "format": CACHE_FORMAT,
-            "model_args": model_args,
-            "task": task,
-            "limit": limit,
-            "gen_kwargs": gen_kwargs,
-            "apply_chat_template": apply_chat_template,
-        },
-        sort_keys=True,
-    )
-    digest = hashlib.sha256(key.encode()).hexdigest()[:10]
-    limit_part = "all" if limit is None else f"{limit:g}"
-    return out / "cache" / f"{slug(config.name)}__{slug(task)}__limit{limit_part}__{digest}.json"
+@dataclass(frozen=True)
+class CellKey:
+    """Everything that changes the numbers of one (configuration, task) cell: its cache file is
+    named by a hash of these, so changing any of them never reuses a stale result."""
+
+    config: Config
+    task: str
+    limit: float | None
+    model_args: str
+    gen_kwargs: dict[str, Any]
+    apply_chat_template: bool  # as asked for; a member without a template runs without one
+
+    def path(self, out: Path) -> Path:
+        """``<out>/cache/<config>__<task>__limit<N>__<hash>.json``."""
+        key = json.dumps(
+            {
+                "format": CACHE_FORMAT,
+                "model_args": self.model_args,
+                "task": self.task,
+                "limit": self.limit,
+                "gen_kwargs": self.gen_kwargs,
+                "apply_chat_template": self.apply_chat_template,
+            },
+            sort_keys=True,
+        )
+        digest = hashlib.sha256(key.encode()).hexdigest()[:10]
+        limit_part = "all" if self.limit is None else f"{self.limit:g}"
+        name = f"{slug(self.config.name)}__{slug(self.task)}__limit{limit_part}__{digest}.json"
+        return out / "cache" / name
 
 
 def read_record(path: Path) -> dict[str, Any]:
@@ -81,31 +86,28 @@ def read_record(path: Path) -> dict[str, Any]:
 
 
 def make_record(
-    config: Config,
-    task: str,
-    limit: float | None,
-    model_args: str,
-    gen_kwargs: dict[str, Any],
-    apply_chat_template: bool,
+    key: CellKey,
+    applied_chat_template: bool,
     wall_seconds: float,
     finished: str,
     machine: str,
     results: dict[str, Any],
 ) -> dict[str, Any]:
-    """The cache record of one finished cell: its settings, where and when it ran, and the part
-    of ``simple_evaluate``'s output worth keeping (:func:`summarize_results`)."""
+    """The cache record of one finished cell: its settings (with the chat template as it was
+    applied), where and when it ran, and the part of ``simple_evaluate``'s output worth
+    keeping (:func:`summarize_results`)."""
     return {
         "format": CACHE_FORMAT,
-        "config": config.name,
-        "task": task,
-        "limit": limit,
-        "model_args": model_args,
-        "gen_kwargs": gen_kwargs,
-        "apply_chat_template": apply_chat_template,
+        "config": key.config.name,
+        "task": key.task,
+        "limit": key.limit,
+        "model_args": key.model_args,
+        "gen_kwargs": key.gen_kwargs,
+        "apply_chat_template": applied_chat_template,
         "wall_seconds": round(wall_seconds, 3),
         "finished": finished,
         "machine": machine,
-        "summary": summarize_results(results, task),
+        "summary": summarize_results(results, key.task),
     }
 
 

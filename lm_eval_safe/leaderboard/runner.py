@@ -29,8 +29,8 @@ from lm_eval_safe.disk_cache import atomic_write_json
 from lm_eval_safe.leaderboard.configs import Config, full_model_args
 from lm_eval_safe.leaderboard.report import describe, machine_line
 from lm_eval_safe.leaderboard.result_cache import (
+    CellKey,
     Outcome,
-    cache_path,
     make_record,
     outcome_from_record,
     read_record,
@@ -179,8 +179,7 @@ def _run_cell(
     model_args = full_model_args(
         config, settings.model_args_extra, settings.alone_args, settings.ensemble_args
     )
-    path = cache_path(
-        settings.out,
+    key = CellKey(
         config,
         task,
         settings.limits[task],
@@ -188,6 +187,7 @@ def _run_cell(
         settings.gen_kwargs(),
         settings.apply_chat_template,
     )
+    path = key.path(settings.out)
     run_dir = path.parent.parent / "lm_eval" / path.stem
     command = lm_eval_command(task, settings, model_args, run_dir)
     if path.is_file():
@@ -211,11 +211,7 @@ def _run_cell(
     else:
         results, wall, chat = run_one(config, task, settings, model_args, task_managers.get())
     record = make_record(
-        config,
-        task,
-        settings.limits[task],
-        model_args,
-        settings.gen_kwargs(),
+        key,
         chat,
         wall,
         finished=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
