@@ -32,7 +32,7 @@ import uuid
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,17 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a reader or a crash never sees a partial file."""
     with atomic_file(path) as handle:
         handle.write(data)
+
+
+def atomic_write_json(
+    path: Path, data: Any, *, indent: int | None = None, sort_keys: bool = False
+) -> None:
+    """:func:`atomic_write_bytes` of ``data`` as UTF-8 JSON and a final newline: the one way
+    this project writes a JSON file that a reader may open while it is being replaced, or that
+    a killed run must not leave half-written. Values JSON lacks (paths, dtypes) are written
+    as their ``str``."""
+    text = json.dumps(data, indent=indent, sort_keys=sort_keys, default=str, ensure_ascii=False)
+    atomic_write_bytes(path, (text + "\n").encode("utf-8"))
 
 
 # -- single-file entries -------------------------------------------------------------------

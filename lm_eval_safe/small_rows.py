@@ -33,6 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lm_eval_safe.disk_cache import atomic_write_json
+
 logger = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
@@ -179,13 +181,11 @@ class SmallRowLinears:
 
 
 def _write_json(path: Path, data: Any) -> None:
-    """Replace ``path`` atomically (a unique temporary name, then rename): another process
-    timing the same machine at once can only lose its own, equivalent, entries."""
+    """Replace ``path`` atomically: another process timing the same machine at once can only
+    lose its own, equivalent, entries; a cache that cannot be written costs a warning, not the
+    run."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, sort_keys=True))
-        tmp.replace(path)
+        atomic_write_json(path, data, sort_keys=True)
     except OSError as exc:
         logger.warning("could not cache small-row timings in %s: %s", path, exc)
 

@@ -29,7 +29,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -37,16 +36,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-SCRIPTS = Path(__file__).resolve().parent
-REPO_ROOT = SCRIPTS.parent
-for path in (REPO_ROOT, SCRIPTS):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-
 import torch  # noqa: E402
-from bench_speed import load_prompts  # noqa: E402
 
+from lm_eval_safe.bench.output import write_json_report  # noqa: E402
+from lm_eval_safe.bench.prompts import load_prompts  # noqa: E402
+from lm_eval_safe.bench.timing import timed  # noqa: E402
 from lm_eval_safe.model import SafeEnsembleLM  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def make_jobs(
@@ -57,9 +54,7 @@ def make_jobs(
 
 
 def timed_run(lm: SafeEnsembleLM, jobs: list[Any], batch_size: int) -> dict[str, Any]:
-    start = time.perf_counter()
-    results = lm.decoder.generate_many(jobs, batch_size)
-    seconds = time.perf_counter() - start
+    results, seconds = timed(lambda: lm.decoder.generate_many(jobs, batch_size), lm.members)
     tokens = sum(stats.generated_tokens for _, stats in results)
     ensembles = sum(stats.ensemble_ops for _, stats in results)
     return {
@@ -218,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dp or args.dp_only:
         report["data_parallel"] = bench_dp(args)
     if args.json_out:
-        args.json_out.write_text(json.dumps(report, indent=2))
+        write_json_report(args.json_out, report)
     return 0
 
 

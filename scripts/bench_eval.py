@@ -38,6 +38,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from lm_eval_safe.bench.output import fmt, write_json_report  # noqa: E402
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TASKS = (
     "safe_bbh_date_understanding,safe_bbh_logical_deduction_three_objects,safe_bbh_navigate"
@@ -215,16 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(report, indent=2))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_json_report(Path(args.json), report, trailing_newline=True)
     if args.markdown:
         Path(args.markdown).write_text(markdown(report))
     return 0
 
 
 def markdown(report: dict[str, Any]) -> str:
-    def fmt(x: Any) -> str:
-        return "-" if x is None else f"{x:.2f}"
-
     lines = [
         f"`{report['command']}`",
         "",

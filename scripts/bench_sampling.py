@@ -23,10 +23,8 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,17 +32,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-SCRIPTS = Path(__file__).resolve().parent
-REPO_ROOT = SCRIPTS.parent
-for path in (REPO_ROOT, SCRIPTS):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-
-from bench_speed import load_prompts, make_decoder, without_eos  # noqa: E402
-
+from lm_eval_safe.bench.eos import mask_eos  # noqa: E402
+from lm_eval_safe.bench.output import write_json_report  # noqa: E402
+from lm_eval_safe.bench.prompts import load_prompts  # noqa: E402
+from lm_eval_safe.bench.speed import make_decoder  # noqa: E402
+from lm_eval_safe.bench.timing import timed  # noqa: E402
 from lm_eval_safe.model import SafeEnsembleLM  # noqa: E402
 from lm_eval_safe.sampling import GenerationSettings, SamplingParams, request_seed  # noqa: E402
 from lm_eval_safe.stats import GenerationStats  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_args() -> argparse.Namespace:
@@ -85,7 +82,9 @@ def summary(stats: GenerationStats) -> dict[str, float]:
 def main() -> None:
     args = parse_args()
     lm = SafeEnsembleLM(members=args.members, device=args.device, dtype=args.dtype)
-    members = [without_eos(m) for m in lm.members] if args.ignore_eos else lm.members
+    members = lm.members
+    if args.ignore_eos:
+        mask_eos(members)
     prompts = load_prompts(args.data_dir, "gsm8k", args.prompts)
     contexts = [lm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     sampled = SamplingParams(True, args.temperature, args.top_k, args.top_p)
@@ -102,9 +101,11 @@ def main() -> None:
             for mode, total in totals.items():
                 params = sampled if mode == "sampled" else None
                 seed = request_seed(args.seed, context, settings, 0)
-                start = time.perf_counter()
-                _, stats = decoder.generate(context, [], args.max_new_tokens, params, seed)
-                stats.wall_seconds = time.perf_counter() - start
+                generate = partial(
+                    decoder.generate, context, [], args.max_new_tokens, params, seed
+                )
+                (_, stats), seconds = timed(generate, members)
+                stats.wall_seconds = seconds
                 total.add(stats)
         for mode, total in totals.items():
             row = summary(total)
@@ -115,7 +116,7 @@ def main() -> None:
                 flush=True,
             )
     if args.output:
-        args.output.write_text(json.dumps(results, indent=1))
+        write_json_report(args.output, results, indent=1)
 
 
 if __name__ == "__main__":

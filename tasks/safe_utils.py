@@ -29,9 +29,6 @@ MATH500_HUB = ("HuggingFaceH4/MATH-500", None)
 GSM8K_HUB = ("openai/gsm8k", "main")
 BBH_HUB = "SaylorTwift/bbh"
 
-#: The paper's zero-shot chain-of-thought instruction (SAFE_SPEC §10).
-MATH_PROMPT_SUFFIX = " Please reason step by step, and put your final answer within \\boxed{}."
-
 BBH_TASKS = (
     "boolean_expressions",
     "causal_judgement",
@@ -66,22 +63,25 @@ BBH_TASKS = (
 def _load_answer_checking() -> ModuleType:
     """Import ``lm_eval_safe.answer_checking``.
 
-    Falls back to loading the file from a source checkout (``tasks/`` next to
-    ``lm_eval_safe/``) so that ``lm_eval --include_path tasks`` works even when the
-    package is not installed.
+    Falls back to loading that package's folder from a source checkout (``tasks/`` next to
+    ``lm_eval_safe/``) under a private name, so that ``lm_eval --include_path tasks`` works
+    even when the package is not installed (its modules import one another relatively).
     """
     try:
         from lm_eval_safe import answer_checking
 
         return answer_checking
     except ImportError:
-        path = Path(__file__).resolve().parent.parent / "lm_eval_safe" / "answer_checking.py"
-        if not path.is_file():
+        folder = Path(__file__).resolve().parent.parent / "lm_eval_safe" / "answer_checking"
+        init = folder / "__init__.py"
+        if not init.is_file():
             raise
         name = "lm_eval_safe_answer_checking_fallback"
         if name in sys.modules:
             return sys.modules[name]
-        spec = importlib.util.spec_from_file_location(name, path)
+        spec = importlib.util.spec_from_file_location(
+            name, init, submodule_search_locations=[str(folder)]
+        )
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
@@ -136,7 +136,7 @@ def load_math500(**kwargs: Any) -> datasets.DatasetDict:
 
 def math_doc_to_text(doc: dict[str, Any]) -> str:
     """The paper's prompt: ``{problem} Please reason step by step, ... \\boxed{}.``"""
-    return doc["problem"] + MATH_PROMPT_SUFFIX
+    return doc["problem"] + ac.MATH_PROMPT_SUFFIX
 
 
 def process_math500(doc: dict[str, Any], results: list[str]) -> dict[str, int]:
@@ -168,7 +168,7 @@ def load_gsm8k(**kwargs: Any) -> datasets.DatasetDict:
 
 def gsm8k_doc_to_text(doc: dict[str, Any]) -> str:
     """Same zero-shot CoT instruction as MATH-500 (the paper uses one math prompt)."""
-    return doc["question"] + MATH_PROMPT_SUFFIX
+    return doc["question"] + ac.MATH_PROMPT_SUFFIX
 
 
 def gsm8k_doc_to_target(doc: dict[str, Any]) -> str:

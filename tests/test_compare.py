@@ -17,6 +17,9 @@ from types import ModuleType
 import pytest
 from helpers import load_script, parse_lm_eval_command
 
+from lm_eval_safe.leaderboard.configs import ENSEMBLE_CONFIGS, build_configs
+from lm_eval_safe.leaderboard.report import wilson_interval
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -76,10 +79,10 @@ def test_compare_end_to_end_and_resume(
     assert compare.main(argv) == 0
     first = capsys.readouterr().out
 
-    configs = compare.build_configs([str(tiny_bpe_dir), str(tiny_sp_dir)], None)
+    configs = build_configs([str(tiny_bpe_dir), str(tiny_sp_dir)], None)
     names = [c.name for c in configs]
     # two members alone + every built-in ensemble configuration
-    assert len(names) == 2 + len(compare.ENSEMBLE_CONFIGS)
+    assert len(names) == 2 + len(ENSEMBLE_CONFIGS)
     assert first.count(": start (") == len(names)
     assert first.count(": done in ") == len(names)
 
@@ -134,17 +137,17 @@ def test_limits_configs_and_interval(compare: ModuleType) -> None:
     with pytest.raises(SystemExit):
         compare.parse_limits("c=1", ["a"])
 
-    configs = compare.build_configs(["m1", "/x/m2.gguf"], ["unite-safe", "alone"])
+    configs = build_configs(["m1", "/x/m2.gguf"], ["unite-safe", "alone"])
     # members alone always come first: the gap column refers to them
     assert [c.name for c in configs] == ["alone:m1", "alone:m2", "unite-safe"]
     assert configs[1].model_args == "members=/x/m2.gguf"
     assert configs[2].model_args.startswith("members=m1|/x/m2.gguf,schedule=safe")
     with pytest.raises(SystemExit):
-        compare.build_configs(["m1"], ["nonsense"])
+        build_configs(["m1"], ["nonsense"])
 
-    lo, hi = compare.wilson_interval(0.0, 5)
+    lo, hi = wilson_interval(0.0, 5)
     assert lo == 0.0 and 0.4 < hi < 0.5
-    lo, hi = compare.wilson_interval(0.5, 100)
+    lo, hi = wilson_interval(0.5, 100)
     assert lo == pytest.approx(0.404, abs=1e-3) and hi == pytest.approx(0.596, abs=1e-3)
 
 

@@ -231,3 +231,13 @@ def test_union_vocabulary_cache_survives_damage(
         ]
         assert same(UnionVocabulary.build(hollow, cache_dir=tmp_path))  # rewritten whole
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporaries left
+
+
+def test_json_written_atomically_leaves_no_temporary(tmp_path: Path) -> None:
+    """The one JSON writer (leaderboard records, small-row timings): the whole file or the old
+    one, UTF-8 as written, no temporary left next to it."""
+    path = tmp_path / "sub" / "record.json"
+    disk_cache.atomic_write_json(path, {"b": [1, 2], "a": "café", "where": tmp_path}, indent=2)
+    disk_cache.atomic_write_json(path, {"b": 1, "a": "ü"}, sort_keys=True)
+    assert path.read_text(encoding="utf-8") == '{"a": "ü", "b": 1}\n'
+    assert [p.name for p in path.parent.iterdir()] == ["record.json"]

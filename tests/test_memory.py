@@ -1,28 +1,29 @@
 """Memory stays flat over a long run (issue 13 §2): 200 generate requests of 256 tokens on the
-tiny members, in one ``generate_until`` call as lm-eval makes it, sampled with the same probe
-as ``scripts/bench_memory.py`` (which runs the real members)."""
+tiny members, in one ``generate_until`` call as lm-eval makes it, sampled with the probe of
+``lm_eval_safe.bench.memory`` that ``scripts/bench_memory.py`` uses on the real members."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from helpers import load_script, make_lm, random_prompts
+from helpers import make_lm, random_prompts
 
 from lm_eval_safe import model as model_module
+from lm_eval_safe.bench.eos import mask_eos
+from lm_eval_safe.bench.memory import generate_with_probe
 
 
 def test_200_requests_of_256_tokens_keep_memory_flat(
     tiny_bpe_dir: Path, tiny_sp_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    bench = load_script("bench_memory")
     kept = 64
     monkeypatch.setattr(model_module, "REQUEST_STATS_KEPT", kept)
     # The prefix store (32 blocks of 8 KiB here) is full within the first 50 random prompts and
     # then stays at its budget: a bounded cache is part of the steady state measured, not growth.
     lm = make_lm(tiny_bpe_dir, tiny_sp_dir, batch_size=32, prefix_cache_mb=0.25)
-    bench.mask_eos(lm)  # every request runs its full 256 tokens
-    probe, texts = bench.run(lm, random_prompts(200, seed=21), 256, [50, 100, 150, 200])
+    mask_eos(lm.members)  # every request runs its full 256 tokens
+    probe, texts = generate_with_probe(lm, random_prompts(200, seed=21), 256, [50, 100, 150, 200])
     assert lm.run_stats.generated_tokens == 200 * 256 and lm.run_stats.requests == 200
     assert lm.run_stats.ensemble_ops > 0 and lm.run_stats.verifier_positions > 0
     assert len(texts) == 200

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import sys
+import textwrap
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -375,3 +376,28 @@ def test_towers_of_powers_do_not_hang() -> None:
     assert ac.math_equiv("\\boxed{\\frac{2}{4}}", "0.5", checker)
     checker.close()
     assert time.monotonic() - start < 60
+
+
+def test_task_hooks_load_answer_checking_by_path_without_the_package() -> None:
+    """``lm_eval --include_path tasks`` from a checkout where ``lm_eval_safe`` is not installed:
+    safe_utils loads the answer-checking folder by path, and its symbolic worker (started from
+    its own file by path) still answers."""
+    import subprocess
+
+    program = textwrap.dedent(
+        f"""
+        import importlib.util, sys
+        sys.modules["lm_eval_safe"] = None  # the package cannot be imported
+        spec = importlib.util.spec_from_file_location("safe_utils", {str(REPO / "tasks" / "safe_utils.py")!r})
+        utils = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(utils)
+        assert utils.ac.__name__ == "lm_eval_safe_answer_checking_fallback", utils.ac.__name__
+        assert utils.math_doc_to_text({{"problem": "1+1?"}}).endswith("within \\\\boxed{{}}.")
+        print(utils.process_math500({{"answer": "0.5"}}, ["so \\\\boxed{{\\\\frac{{2}}{{4}}}}"]))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "{'exact_match': 0, 'math_equiv': 1}"  # symbolic only

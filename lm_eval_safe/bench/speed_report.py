@@ -1,0 +1,177 @@
+"""Per-method totals and per-token-time ratios of ``scripts/bench_speed.py``'s runs, and its
+markdown table.
+
+Absolute tokens/s on a shared CPU mean little, so the numbers that matter are ratios of
+per-token times measured side by side: computed per (prompt, repeat) pair and aggregated as a
+median (robust to a burst of load) and as total-time / total-tokens.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from lm_eval_safe.bench.output import fmt
+from lm_eval_safe.bench.speed import Run
+
+# (numerator, denominator) pairs the project cares about
+PROJECT_RATIOS = [
+    ("safe_unite", "floor"),
+    ("safe_gac", "floor"),
+    ("safe_unite", "hf_generate"),
+    ("safe_unite", "every"),
+    ("every", "every_nocache"),
+    ("safe_unite", "safe_nocache"),
+    ("drafter", "hf_generate"),
+    ("floor", "hf_generate"),
+    # the same against this project's own single-member path (same speed-ups as the ensemble)
+    ("safe_gac", "drafter"),
+    ("safe_unite", "drafter"),
+    ("safe_gac_auto", "drafter"),
+    ("safe_unite_auto", "drafter"),
+    ("safe_gac", "hf_generate"),
+    ("safe_gac_auto", "hf_generate"),
+    ("safe_unite_auto", "hf_generate"),
+    ("safe_gac", "every"),
+    ("safe_unite_auto", "every"),
+    ("safe_gac_auto", "every"),
+]
+
+
+def summarise(runs: list[Run], methods: list[str]) -> dict[str, dict[str, Any]]:
+    """Per method: totals, E/T, acceptance, verifier positions per token and peak memory, and
+    its per-token time against ``hf_generate`` on the same (prompt, repeat)."""
+    ref = {(r.prompt, r.repeat): r for r in runs if r.method == "hf_generate"}
+    summary: dict[str, dict[str, Any]] = {}
+    for method in methods:
+        mine = [r for r in runs if r.method == method]
+        tokens = sum(r.tokens for r in mine)
+        seconds = sum(r.seconds for r in mine)
+        drafted = sum(r.drafted for r in mine)
+        row: dict[str, Any] = {
+            "runs": len(mine),
+            "tokens": tokens,
+            "seconds": seconds,
+            "tokens_per_second": tokens / seconds if seconds else 0.0,
+            "ms_per_token": 1000 * seconds / tokens if tokens else 0.0,
+            "ensemble_rate_percent": 100 * sum(r.ensemble_ops for r in mine) / tokens
+            if tokens
+            else 0.0,
+            "acceptance_rate": sum(r.accepted for r in mine) / drafted if drafted else None,
+            "verifier_positions_per_token": sum(r.verifier_positions for r in mine) / tokens
+            if tokens
+            else 0.0,
+            "max_rss_mib_after": max(r.max_rss_mib for r in mine) if mine else 0.0,
+            "cuda_peak_mib": max((r.cuda_peak_mib or 0.0) for r in mine)
+            if mine and mine[0].cuda_peak_mib is not None
+            else None,
+        }
+        pairs = [(r, ref[(r.prompt, r.repeat)]) for r in mine if (r.prompt, r.repeat) in ref]
+        if pairs:
+            row["vs_hf_median"] = statistics.median(r.per_token / h.per_token for r, h in pairs)
+            ref_tokens = sum(h.tokens for _, h in pairs)
+            ref_seconds = sum(h.seconds for _, h in pairs)
+            row["vs_hf_total"] = (seconds / max(tokens, 1)) / (ref_seconds / max(ref_tokens, 1))
+            row["same_text_as_hf"] = sum(r.text == h.text for r, h in pairs) / len(pairs)
+        if method == "floor":
+            gen = sum(r.generate_seconds or 0.0 for r in mine)
+            row["floor_generate_seconds"] = gen
+            row["floor_verify_seconds"] = seconds - gen
+        summary[method] = row
+    return summary
+
+
+def ratios(runs: list[Run], methods: list[str]) -> list[dict[str, Any]]:
+    """Per-token-time ratios of two methods: median over (prompt, repeat) pairs, and totals."""
+    by_key = {(r.method, r.prompt, r.repeat): r for r in runs}
+    out = []
+    for num, den in PROJECT_RATIOS:
+        if num not in methods or den not in methods:
+            continue
+        per_pair = []
+        for (m, p, rep), r in by_key.items():
+            if m == num and (den, p, rep) in by_key:
+                per_pair.append(r.per_token / by_key[(den, p, rep)].per_token)
+        a = [r for r in runs if r.method == num]
+        b = [r for r in runs if r.method == den]
+        total = (sum(r.seconds for r in a) / max(sum(r.tokens for r in a), 1)) / (
+            sum(r.seconds for r in b) / max(sum(r.tokens for r in b), 1)
+        )
+        out.append(
+            {
+                "ratio": f"{num}/{den}",
+                "median": statistics.median(per_pair) if per_pair else None,
+                "total": total,
+                "min": min(per_pair) if per_pair else None,
+                "max": max(per_pair) if per_pair else None,
+            }
+        )
+    return out
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The printed table of a ``bench_speed`` report, with a warning where methods stopped too
+    early for their per-token times to mean much."""
+    cfg = report["config"]
+    lines = [
+        f"### bench_speed: {cfg['members']} (drafter {cfg['drafter']}), {cfg['dataset']}, "
+        f"{cfg['prompts']} prompt(s) x {cfg['repeats']} repeat(s), max_new_tokens="
+        f"{cfg['max_new_tokens']}, draft_len={cfg['draft_len']}, device={cfg['device']}, "
+        f"torch threads={cfg['torch_threads']}, shots={cfg.get('shots', 0)}, "
+        f"fast_small_linear={cfg.get('fast_small_linear', 'off')}"
+        + (", EOS masked (--ignore-eos)" if cfg["ignore_eos"] else ""),
+        "",
+        "| method | tokens | s | tok/s | t/token vs hf (median) | (total) | E/T % | acceptance "
+        "| verifier pos/token | = hf text | max RSS MiB after | CUDA peak MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for method, row in report["methods"].items():
+        lines.append(
+            f"| {method} | {row['tokens']} | {fmt(row['seconds'])} | "
+            f"{fmt(row['tokens_per_second'])} | {fmt(row.get('vs_hf_median'))} | "
+            f"{fmt(row.get('vs_hf_total'))} | {fmt(row['ensemble_rate_percent'])} | "
+            f"{fmt(row['acceptance_rate'], 3)} | {fmt(row['verifier_positions_per_token'])} | "
+            f"{fmt(row.get('same_text_as_hf'))} | {fmt(row['max_rss_mib_after'], 0)} | "
+            f"{fmt(row['cuda_peak_mib'], 0)} |"
+        )
+    if "floor" in report["methods"]:
+        f = report["methods"]["floor"]
+        lines += [
+            "",
+            f"floor = drafter generate {f['floor_generate_seconds']:.2f}s + verifier forwards "
+            f"{f['floor_verify_seconds']:.2f}s",
+        ]
+    if report["ratios"]:
+        lines += [
+            "",
+            "| per-token time ratio | median | total | min | max |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for r in report["ratios"]:
+            lines.append(
+                f"| {r['ratio']} | {fmt(r['median'])} | {fmt(r['total'])} | "
+                f"{fmt(r['min'])} | {fmt(r['max'])} |"
+            )
+    short = [
+        m
+        for m, row in report["methods"].items()
+        if row["runs"] and row["tokens"] < 0.5 * row["runs"] * cfg["max_new_tokens"]
+    ]
+    if short:
+        lines += [
+            "",
+            f"WARNING: {', '.join(short)} stopped (EOS) at under half of max_new_tokens on "
+            "average: per-token times of so few tokens are dominated by prefill and fixed "
+            "costs. (SmolLM2-Instruct answers a plain-text prompt with <|im_end|> at once, "
+            "and as a verifier it pulls the ensemble to EOS: use --ignore-eos for speed.)",
+        ]
+    u = report["union_vocabulary"]
+    lines += [
+        "",
+        f"union vocabulary ({int(u['union_size'])} strings): token tables "
+        f"{u['token_vocab_tables_s']:.2f}s, build uncached {u['union_uncached_s']:.2f}s, "
+        f"cached first build (writes) {u['union_cache_write_s']:.2f}s, cached load "
+        f"{u['union_cache_load_s']:.2f}s",
+        f"member load {report['load_seconds']:.1f}s",
+    ]
+    return "\n".join(lines) + "\n"

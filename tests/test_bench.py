@@ -1,0 +1,96 @@
+"""The benchmark pieces of ``lm_eval_safe.bench`` on the tiny in-process members.
+
+Why: the benchmark scripts run only on real members, by hand, so nothing else would notice a
+break in what they share -- prompts, EOS masking, the timed methods (the draft-then-verify
+floor among them) and the report over their runs. Tiny models give meaningless speeds; the
+checks are about structure: every method runs to its token budget with EOS masked, the floor
+recomputes verifier positions, and the table has a row per method.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lm_eval_safe.answer_checking import MATH_PROMPT_SUFFIX
+from lm_eval_safe.bench.eos import mask_eos
+from lm_eval_safe.bench.output import fmt
+from lm_eval_safe.bench.prompts import load_prompts
+from lm_eval_safe.bench.speed import METHODS, make_decoder, run_method, time_methods, time_union
+from lm_eval_safe.bench.speed_report import markdown, ratios, summarise
+from lm_eval_safe.members import load_member
+
+QUESTIONS = [
+    {"question": "What is 2 plus 3?", "answer": "2+3=5\n#### 5"},
+    {"question": "What is 4 times 2?", "answer": "4*2=8\n#### 8"},
+    {"question": "What is 10 minus 7?", "answer": "10-7=3\n#### 3"},
+]
+
+
+def test_prompts_are_the_papers_math_prompt_few_shot_or_cycled(tmp_path: Path) -> None:
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "test.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    assert load_prompts(tmp_path, "gsm8k", 2) == [
+        "What is 2 plus 3?" + MATH_PROMPT_SUFFIX,
+        "What is 4 times 2?" + MATH_PROMPT_SUFFIX,
+    ]
+    assert len(load_prompts(tmp_path, "gsm8k", 5, cycle=True)) == 5
+    shot = load_prompts(tmp_path, "gsm8k", 1, shots=1)[0]
+    assert shot == (
+        "Question: What is 10 minus 7?\nAnswer: 10-7=3\n#### 3\n\n"
+        "Question: What is 2 plus 3?\nAnswer:"
+    )
+    with pytest.raises(SystemExit, match="no data file"):
+        load_prompts(tmp_path, "math500", 1)
+    assert (fmt(None), fmt(1.23456), fmt(2.0, 0), fmt(7)) == ("-", "1.23", "2", "7")
+
+
+def test_every_speed_method_runs_to_its_budget_with_eos_masked(
+    tiny_bpe_dir: Path, tiny_sp_dir: Path
+) -> None:
+    specs = [str(tiny_bpe_dir), str(tiny_sp_dir)]
+    members = [
+        load_member(spec, index=i, device="cpu", fast_small_linear="off", prefix_cache_mb=0)
+        for i, spec in enumerate(specs)
+    ]
+    mask_eos(members)
+    base = {"members": specs, "drafter": "0", "draft_len": 2}
+    methods = ["hf_generate", "drafter", "safe_unite", "safe_gac", "every", "floor"]
+    decoders = {"_base": make_decoder(members, 0, base, {})}
+    for method in methods:
+        if METHODS[method] is not None:
+            decoders[method] = make_decoder(members, 0, base, METHODS[method])
+    max_new = 6
+    runs = time_methods(methods, decoders, members, ["the cat sat on"], max_new, repeats=1)
+    assert [r.method for r in runs] == methods
+    assert all(r.tokens == max_new for r in runs), [(r.method, r.tokens) for r in runs]
+    floor = next(r for r in runs if r.method == "floor")
+    assert floor.verifier_positions > 0 and floor.generate_seconds is not None
+    # the drafter through the decoder is transformers' own greedy decoding
+    assert next(r for r in runs if r.method == "drafter").text == runs[0].text
+    assert run_method("every", decoders, members, "a mat", 3).ensemble_ops == 3
+
+    report = {
+        "config": {
+            "members": ",".join(specs),
+            "drafter": members[0].name,
+            "dataset": "gsm8k",
+            "prompts": 1,
+            "repeats": 1,
+            "max_new_tokens": max_new,
+            "draft_len": 2,
+            "device": "cpu",
+            "torch_threads": 1,
+            "ignore_eos": True,
+        },
+        "methods": summarise(runs, methods),
+        "ratios": ratios(runs, methods),
+        "union_vocabulary": time_union(members, 0),
+        "load_seconds": 0.0,
+    }
+    table = markdown(report)
+    for method in methods:
+        assert f"| {method} | {max_new} |" in table
+    assert "| safe_unite/floor |" in table and "WARNING" not in table
