@@ -4,13 +4,16 @@ The drafter's own decoding plus one verifier forward per cycle over only the new
 tokens (with cache reuse, through ``VerifierRun.sync``), and nothing else: SAFE's time over the
 floor is the overhead of its policy (alignment checks, aggregation, rewinds).
 
-It builds the decoder's :class:`~lm_eval_safe.decoding.VerifierRun` itself, so it copies two
-of the decoder's formulas; each is marked ``# FORMULA:`` until the decoder offers them.
+It builds the decoder's own :class:`~lm_eval_safe.member_runs.VerifierRun` with the decoder's
+prompt reserve and forget margin, so it verifies exactly what SAFE's verifiers would.
 """
 
 from __future__ import annotations
 
-from lm_eval_safe.decoding import SafeDecoder, VerifierRun, valid_utf8_prefix
+from lm_eval_safe.decoding import SafeDecoder
+from lm_eval_safe.draft_window import DraftWindow
+from lm_eval_safe.member_runs import VerifierRun, verifier_reserve
+from lm_eval_safe.vocabulary import valid_utf8_prefix
 
 
 def verify_floor(
@@ -25,9 +28,9 @@ def verify_floor(
     vocab = decoder.drafter.vocab
     runs = []
     for member in decoder.verifiers:
-        # FORMULA: the verifier's prompt reserve, as the decoder computes it
-        reserve = min(member.max_length // 2, 2 * max_new_tokens + 8)
+        reserve = verifier_reserve(member, max_new_tokens)
         runs.append(VerifierRun(member, decoder.prompt_ids(member, context, reserve), True))
+    margin = DraftWindow(opts.draft_len).forget_margin()
     for end in range(opts.draft_len, len(gen_ids) + opts.draft_len, opts.draft_len):
         start = end - opts.draft_len
         full = vocab.spell(gen_ids[: min(end, len(gen_ids))])
@@ -39,6 +42,5 @@ def verify_floor(
             offset += len(vocab.text_bytes[token])
         for run in runs:
             run.sync(text, full, want)
-            # FORMULA: the decoder's forget margin behind the verifier's cache
-            run.forget_before(len(run.gen_ids) - 2 * opts.draft_len - 4)
+            run.forget_before(len(run.gen_ids) - margin)
     return sum(r.recomputed for r in runs)
