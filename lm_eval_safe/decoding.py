@@ -152,14 +152,13 @@ class SafeDecoder:
             order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][0]))
         with small_row_linears(members):
             results = run_batched(
-                members, order, lambda i: self._decode(*jobs[i]), batch_size, on_done
+                members, order, lambda i: self._decode(GenerationJob(*jobs[i])), batch_size, on_done
             )
         return [results[i] for i in range(len(jobs))]
 
-    def _start(
-        self, context: str, max_new_tokens: int, sampling: SamplingParams | None, seed: int
-    ) -> RequestState:
-        sampler = None if sampling is None or sampling.greedy else RowSampler(sampling, seed)
+    def _start(self, job: GenerationJob) -> RequestState:
+        context, max_new_tokens, sampling = job.context, job.max_new_tokens, job.sampling
+        sampler = None if sampling is None or sampling.greedy else RowSampler(sampling, job.seed)
         drafter = DrafterRun(
             self.drafter, self.prompt_ids(self.drafter, context, max_new_tokens), sampler=sampler
         )
@@ -174,14 +173,7 @@ class SafeDecoder:
         state.stats.sampled_requests = int(sampler is not None)
         return state
 
-    def _decode(
-        self,
-        context: str,
-        until: list[str],
-        max_new_tokens: int,
-        sampling: SamplingParams | None = None,
-        seed: int = 0,
-    ) -> Steps:
+    def _decode(self, job: GenerationJob) -> Steps:
         """One request's SAFE loop (SAFE_SPEC §3): the same code at every batch size.
 
         Sampled requests (README "Sampling") differ in three places: the drafter draws its
@@ -189,7 +181,8 @@ class SafeDecoder:
         sampling keeps or replaces the drafted string, in order, until the first replacement.
         """
         start_time = time.perf_counter()
-        state = self._start(context, max_new_tokens, sampling, seed)
+        until, max_new_tokens = job.until, job.max_new_tokens
+        state = self._start(job)
         stats, drafter = state.stats, self.drafter
         while len(state.generated) < max_new_tokens:
             budget = max_new_tokens - len(state.generated)
