@@ -111,9 +111,10 @@ def pick_dtype(dtype: str, device: str) -> Any:
 
 #: Part of every converted-weights folder name; bump when the folder's layout changes, so that
 #: entries of another layout (or another version of this package sharing the cache) are never
-#: read as this one's. 2: manifest.json with checksums (lm_eval_safe.disk_cache); 3: the
-#: safetensors metadata says its format (transformers 4.57 refuses the file otherwise).
-CONVERTED_FORMAT = 3
+#: read as this one's. 2: manifest.json with checksums (lm_eval_safe.disk_cache); 4: the
+#: safetensors metadata says its format and tied weights are stored under the input
+#: embedding's name (transformers 4.57 refuses or half-loads the file otherwise).
+CONVERTED_FORMAT = 4
 
 
 def _converted_folder(source: MemberSource, dtype_name: str, root: Path) -> Path:
@@ -191,8 +192,6 @@ def _save_dequantized(model: Any, tokenizer: Any, folder: Path) -> None:
     transformers refuses ``save_pretrained`` on a model loaded from GGUF (it still carries the
     GGUF quantizer), although its weights are ordinary tensors by now: write them directly.
     """
-    from safetensors.torch import save_model
-
     folder.mkdir(parents=True, exist_ok=True)
     config = model.config
     if hasattr(config, "quantization_config"):
@@ -200,9 +199,31 @@ def _save_dequantized(model: Any, tokenizer: Any, folder: Path) -> None:
     config.save_pretrained(folder)
     if model.generation_config is not None:
         model.generation_config.save_pretrained(folder)
-    # transformers 4.57 refuses a safetensors file whose metadata does not say its format
-    save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    _save_weights(model, folder / "model.safetensors")
     tokenizer.save_pretrained(folder)
+
+
+def _save_weights(model: Any, path: Path) -> None:
+    """Every tensor once, under the name ``from_pretrained`` expects: a tensor shared by several
+    names (tied input and output embeddings) is written under the input embedding's name, the
+    one transformers 4.57 and 5.x both tie the others to (``safetensors.save_model`` may keep
+    ``lm_head.weight`` instead, which 4.57 then leaves unloaded). The metadata says the format:
+    4.57 refuses a file without it."""
+    from safetensors.torch import save_file
+
+    state = model.state_dict()
+    embedding = model.get_input_embeddings().weight
+    first = [k for k, t in state.items() if t is embedding]
+    kept: dict[tuple[int, tuple[int, ...]], str] = {}
+    tensors = {}
+    for key in first + [k for k in state if k not in first]:
+        tensor = state[key]
+        owner = (tensor.data_ptr(), tuple(tensor.shape))
+        if owner in kept:
+            continue  # the same weights under another name: tied when loaded
+        kept[owner] = key
+        tensors[key] = tensor.contiguous()
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def load_weights(
