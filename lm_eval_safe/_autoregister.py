@@ -12,7 +12,8 @@ execute. Nothing of lm-eval, torch or transformers is imported until lm-eval its
   (``expected key=value, got 'b'``) before any model code runs; fold bare items into the
   preceding key, with the package's one parser (:mod:`lm_eval_safe.options`).
 - ``lm_eval.loggers.evaluation_tracker``: give ensemble runs a stable output folder name
-  instead of a random id (lm-eval only knows ``pretrained=``-style keys).
+  instead of a random id (lm-eval only knows ``pretrained=``-style keys); tell
+  :mod:`lm_eval_safe.tracing` where samples go and when a task's samples file is written.
 - ``lm_eval.evaluator`` (lm-eval 0.4.9 only): keep the backend's configuration and
   ``safe_stats`` in the results, as 0.4.10+ does by itself.
 """
@@ -90,6 +91,26 @@ def _patch_tracker(module: ModuleType) -> None:
         return name if name is not None else original(model_args)
 
     tracker._get_model_name = staticmethod(_get_model_name)
+
+    # trace=true (lm_eval_safe.tracing): traces go where the tracker writes samples, and each
+    # task's trace file is renamed to pair with its samples file once lm-eval names that
+    evaluation = module.EvaluationTracker
+    original_init, original_save = evaluation.__init__, evaluation.save_results_samples
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        from lm_eval_safe import tracing
+
+        tracing.note_tracker(self)
+
+    def save_results_samples(self: Any, task_name: str, samples: Any) -> None:
+        original_save(self, task_name, samples)
+        from lm_eval_safe import tracing
+
+        tracing.samples_saved(self, task_name)
+
+    evaluation.__init__ = __init__
+    evaluation.save_results_samples = save_results_samples
 
 
 def _patch_evaluator(module: ModuleType) -> None:

@@ -1,4 +1,5 @@
-"""``lm-eval-safe``: the ``lm_eval`` command with this project's tasks on the include path.
+"""``lm-eval-safe``: the ``lm_eval`` command with this project's tasks on the include path, and
+``lm-eval-safe report`` (one HTML page over lm-eval output folders).
 
 Same arguments as ``lm_eval``; ``--model`` defaults to ``safe-ensemble``. It exists so a user
 who cannot rely on the start-up hook (e.g. a read-only site-packages) still has one command.
@@ -6,15 +7,42 @@ who cannot rely on the start-up hook (e.g. a read-only site-packages) still has 
 
 from __future__ import annotations
 
+import argparse
 import sys
+from pathlib import Path
+
+
+def report(argv: list[str]) -> None:
+    """``lm-eval-safe report RESULTS_DIR... --output report.html``."""
+    from lm_eval_safe.leaderboard.html_report import write_report
+    from lm_eval_safe.leaderboard.runs import RunsError
+
+    parser = argparse.ArgumentParser(
+        prog="lm-eval-safe report",
+        description="One self-contained HTML page (leaderboard, plots, per-question grid, "
+        "responses with their ensemble points) over lm-eval output folders written with "
+        "--output_path and --log_samples: members alone (safe-ensemble or hf) and ensembles "
+        "(trace=true to see their ensemble points).",
+    )
+    parser.add_argument("folders", nargs="+", type=Path, help="lm-eval --output_path folders")
+    parser.add_argument("--output", type=Path, default=Path("report.html"))
+    args = parser.parse_args(argv)
+    try:
+        path = write_report(args.folders, args.output)
+    except RunsError as exc:
+        sys.exit(f"lm-eval-safe report: {exc}")
+    print(path)
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["report"]:
+        report(args[1:])
+        return
     import lm_eval_safe
     from lm_eval_safe._autoregister import install
 
     install()
-    args = list(sys.argv[1:] if argv is None else argv)
     if (
         not any(a == "--model" or a.startswith("--model=") for a in args)
         and "-h" not in args

@@ -14,8 +14,10 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import NamedTuple
 
+from lm_eval_safe.aggregate import Choice
 from lm_eval_safe.batch_driver import CYCLE_END, Steps, run_batched
 from lm_eval_safe.draft_window import DraftWindow
 from lm_eval_safe.ensembling import Ensembler
@@ -23,9 +25,10 @@ from lm_eval_safe.member_runs import DrafterRun, VerifierRun, WindowExhausted, v
 from lm_eval_safe.members import Member
 from lm_eval_safe.options import RequestError, SafeOptions
 from lm_eval_safe.sampling import RowSampler, SamplingParams
-from lm_eval_safe.schedules import Draft, DrafterAlone, Schedule, make_schedule
+from lm_eval_safe.schedules import Draft, DrafterAlone, EnsemblePoint, Schedule, make_schedule
 from lm_eval_safe.small_rows import small_row_linears
 from lm_eval_safe.stats import GenerationStats
+from lm_eval_safe.tracing import TRACE_COUNTS, ResponseTrace
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +56,7 @@ class RequestState:
     generated: list[int] = field(default_factory=list)
     generated_bytes: bytes = b""
     text: str = ""
+    trace: ResponseTrace | None = None  # trace=true only
 
 
 class SafeDecoder:
@@ -136,6 +140,7 @@ class SafeDecoder:
         jobs: list[GenerationJob] | list[tuple[str, list[str], int]],
         batch_size: int = 1,
         on_done: Callable[[int, tuple[str, GenerationStats]], None] | None = None,
+        on_trace: Callable[[int, dict], None] | None = None,
     ) -> list[tuple[str, GenerationStats]]:
         """Decode jobs (:class:`GenerationJob`, or ``(context, until, max_new_tokens)`` for greedy
         ones), ``batch_size`` rows at a time (:func:`~lm_eval_safe.batch_driver.run_batched`).
@@ -144,7 +149,8 @@ class SafeDecoder:
         exemplars run one after another and the store needs to hold only the current group's
         prefix (lm-eval hands requests over sorted by length, which interleaves the subtasks of
         a group); without one, longest first, as lm-eval's Collator orders them. Results come
-        back in the original order either way."""
+        back in the original order either way. ``on_trace``, when given, receives each
+        request's trace (:mod:`lm_eval_safe.tracing`) as it finishes, before ``on_done``."""
         members = [self.drafter, *self.verifiers]
         if self.drafter.prefix_store is not None:
             order = sorted(range(len(jobs)), key=lambda i: jobs[i][0])
@@ -152,7 +158,13 @@ class SafeDecoder:
             order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][0]))
         with small_row_linears(members):
             results = run_batched(
-                members, order, lambda i: self._decode(GenerationJob(*jobs[i])), batch_size, on_done
+                members,
+                order,
+                lambda i: self._decode(
+                    GenerationJob(*jobs[i]), None if on_trace is None else partial(on_trace, i)
+                ),
+                batch_size,
+                on_done,
             )
         return [results[i] for i in range(len(jobs))]
 
@@ -173,7 +185,7 @@ class SafeDecoder:
         state.stats.sampled_requests = int(sampler is not None)
         return state
 
-    def _decode(self, job: GenerationJob) -> Steps:
+    def _decode(self, job: GenerationJob, emit: Callable[[dict], None] | None = None) -> Steps:
         """One request's SAFE loop (SAFE_SPEC §3): the same code at every batch size.
 
         Sampled requests (README "Sampling") differ in three places: the drafter draws its
@@ -183,6 +195,8 @@ class SafeDecoder:
         start_time = time.perf_counter()
         until, max_new_tokens = job.until, job.max_new_tokens
         state = self._start(job)
+        if emit is not None:
+            state.trace = ResponseTrace([m.name for m in (self.drafter, *self.verifiers)])
         stats, drafter = state.stats, self.drafter
         while len(state.generated) < max_new_tokens:
             budget = max_new_tokens - len(state.generated)
@@ -209,7 +223,11 @@ class SafeDecoder:
         stats.verifier_positions = sum(v.recomputed for v in state.verifiers)
         stats.wall_seconds = time.perf_counter() - start_time
         stop = _find_stop(state.text, until)
-        return (state.text if stop is None else state.text[:stop]), stats
+        text = state.text if stop is None else state.text[:stop]
+        if emit is not None and state.trace is not None:
+            counts = {key: getattr(stats, key) for key in TRACE_COUNTS}
+            emit(state.trace.record(text, counts, state.sampler is not None))
+        return text, stats
 
     def _settle(self, state: RequestState, draft: Draft) -> Steps:
         """Ensemble the cycle's points in order; returns the tokens this cycle commits. The
@@ -229,11 +247,14 @@ class SafeDecoder:
             state.schedule = DrafterAlone(self.drafter, self.weights)
         for point in points:
             j = point.position
+            test: dict[str, float] | None = None if state.trace is None else {}
             if state.sampler is None:
                 choice = self.ensembler.choose(point.views)
             else:
-                choice = self.ensembler.sample(point.views, tokens[j], state.sampler)
+                choice = self.ensembler.sample(point.views, tokens[j], state.sampler, test)
             replacement = self.ensembler.to_drafter_ids(choice, tokens[j])
+            if state.trace is not None:
+                self._trace_point(state.trace, state, point, tokens, choice, replacement, test)
             stats.ensemble_ops += 1
             stats.sharpened_ops += int(choice.sharpened)
             if replacement != tokens[j : j + 1]:
@@ -246,6 +267,36 @@ class SafeDecoder:
         stats.accepted_tokens += judged
         state.drafter.carry(tokens[judged:], draft.logprobs[judged:])
         return tokens[:judged]
+
+
+    def _trace_point(
+        self,
+        trace: ResponseTrace,
+        state: RequestState,
+        point: EnsemblePoint,
+        tokens: list[int],
+        choice: Choice,
+        replacement: list[int],
+        test: dict[str, float] | None,
+    ) -> None:
+        """One ensemble point into the request's trace: where it is in the response text (as the
+        response is decoded), what was drafted, chosen and proposed there."""
+        j = point.position
+        drafter = self.drafter
+        before = drafter.tokenizer.decode(state.generated + tokens[:j], skip_special_tokens=True)
+        members, ensemble = self.ensembler.candidates(point.views, state.sampler)
+        trace.add_point(
+            offset=len(before),
+            position=len(state.generated) + j,
+            drafted=drafter.vocab.keys[tokens[j]],
+            chosen=choice.key,
+            written=drafter.vocab.spell(replacement),
+            replaced=replacement != tokens[j : j + 1],
+            sharpened=choice.sharpened,
+            member_candidates=members,
+            ensemble_candidates=ensemble,
+            acceptance=test if state.sampler is not None else None,
+        )
 
 
 def _find_stop(text: str, until: list[str]) -> int | None:

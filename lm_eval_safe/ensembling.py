@@ -9,6 +9,7 @@ this module applies them for one drafter, which is what decides which strings ca
 from __future__ import annotations
 
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -25,6 +26,7 @@ from lm_eval_safe.disk_cache import cache_root
 from lm_eval_safe.members import Member
 from lm_eval_safe.options import SafeOptions
 from lm_eval_safe.sampling import RowSampler
+from lm_eval_safe.tracing import top_candidates
 from lm_eval_safe.vocabulary import EOS_KEY
 
 # How a string becomes drafter ids (see Ensembler._route).
@@ -57,7 +59,9 @@ class Ensembler:
         return unite(views, o.sharpen, o.sharpen_lambda, o.top_k)
 
     # -- sampled ----------------------------------------------------------------------------
-    def sample(self, views: list[View], drafted: int, sampler: RowSampler) -> Choice:
+    def sample(
+        self, views: list[View], drafted: int, sampler: RowSampler, test: dict[str, float] | None = None
+    ) -> Choice:
         """Speculative sampling at an ensemble point, over strings.
 
         P_draft is the drafter's warped distribution summed per string; P_ens the aggregate of
@@ -94,10 +98,24 @@ class Ensembler:
         if total <= 0.0:  # the members share no string the drafter can write: keep its draw
             return Choice(self.drafter.vocab.keys[drafted], 0.0, False)
         probs = probs / total
-        index = sampler.keep_or_resample(probs, draft, drafted_index)
+        index = sampler.keep_or_resample(probs, draft, drafted_index, test)
         if index == drafted_index:
             return Choice(self.drafter.vocab.keys[drafted], float(probs[index]), target.sharpened)
         return Choice(target.keys[index], float(probs[index]), target.sharpened)
+
+    # -- traces -----------------------------------------------------------------------------
+    def candidates(self, views: list[View], sampler: RowSampler | None) -> tuple[list[Any], list[Any]]:
+        """Each member's and the ensemble's most probable strings at a point (for traces): the
+        distributions the choice was made from (warped when sampling)."""
+        o = self.options
+        if sampler is not None:
+            views = [View(sampler.warp(v.logprobs), v.vocab, v.tokenizer, v.weight) for v in views]
+        members = [top_candidates(v.vocab.keys, v.logprobs.exp()) for v in views]
+        if o.aggregator == "gac":
+            target = gac_distribution(views, self.union, o.sharpen, o.sharpen_lambda, o.top_k)
+        else:
+            target = unite_distribution(views, o.sharpen, o.sharpen_lambda, o.top_k)
+        return members, top_candidates(target.keys, target.probs)
 
     @cached_property
     def _drafter_ids_by_key(self) -> dict[bytes, list[int]]:

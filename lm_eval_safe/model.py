@@ -28,6 +28,7 @@ from lm_eval_safe.options import (
 )
 from lm_eval_safe.placement import LM_EVAL_CLI_DEFAULT_DEVICE, plan_placement, visible_hardware
 from lm_eval_safe.stats import GenerationStats
+from lm_eval_safe.tracing import TraceWriter, new_stamp, repeat_indices
 from lm_eval_safe.use_cache import cache_identity, cache_namespace, use_cache_table
 from lm_eval_safe.versions import check_versions
 
@@ -80,6 +81,10 @@ class SafeEnsembleLM(LM):
             for i, spec in enumerate(opts.members)
         ]
         self.decoder = SafeDecoder(self.members, self.drafter_index, opts)
+        self.traces: TraceWriter | None = None
+        if opts.trace:  # every rank names its files after rank 0's start
+            stamp = self.process_group.all_gather_object(new_stamp())[0]
+            self.traces = TraceWriter(opts.trace_dir, stamp, self._rank, self._world_size)
         # lm-eval seeds torch (--seed / torch_random_seed) before it builds the model, so the
         # seed of sampled requests is read here; a seed= model arg overrides it
         import torch
@@ -268,7 +273,16 @@ class SafeEnsembleLM(LM):
                 self.cache_hook.add_partial("generate_until", requests[index].args, text)
             progress.update(1)
 
-        outputs = self.decoder.generate_many(jobs, batch_size, on_done=finished)
+        on_trace = None
+        if self.traces is not None:
+            writer, repeats = self.traces, repeat_indices(requests)
+
+            def on_trace(index: int, record: dict[str, Any]) -> None:
+                request = requests[index]
+                key = {"task": request.task_name, "doc_id": request.doc_id, "repeat": repeats[index]}
+                writer.write(request.task_name, {**key, **record})
+
+        outputs = self.decoder.generate_many(jobs, batch_size, on_done=finished, on_trace=on_trace)
         progress.close()
         # per-request wall times overlap in a batch: the run's time is the elapsed time
         call_stats.wall_seconds = time.perf_counter() - started if jobs else 0.0

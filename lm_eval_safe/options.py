@@ -212,6 +212,8 @@ class SafeOptions:
     fast_small_linear: str = "auto"
     prefix_cache_mb: float = 256.0
     seed: int | None = None  # sampling: None = lm-eval's torch seed (torch.initial_seed())
+    trace: bool = False  # a JSON line per response: where the ensemble acted (tracing.py)
+    trace_dir: str | None = None  # where traces go (default: lm-eval's samples folder)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def public_dict(self) -> dict[str, Any]:
@@ -233,7 +235,8 @@ class SafeOptions:
 #: (lm-eval's ``--use_cache``) are never returned for another: see
 #: ``SafeEnsembleLM.cache_namespace``, which adds the members' identities and resolves
 #: ``drafter``/``dtype`` to what was actually loaded. An option that only changes speed or
-#: placement (batch_size, device, member_devices, verifier_cache, cache_dir, max_batch_size)
+#: placement (batch_size, device, member_devices, verifier_cache, cache_dir, max_batch_size,
+#: trace, trace_dir)
 #: must not be listed: it would split the cache for nothing. A new output-changing option is
 #: one more name here.
 OUTPUT_OPTIONS: tuple[str, ...] = (
@@ -299,7 +302,7 @@ def parse_options(raw: dict[str, Any]) -> SafeOptions:
     for key in ("top_k", "draft_len", "max_batch_size", "max_gen_toks", "max_length"):
         if raw.get(key) is not None:
             setattr(opts, key, _as_number(raw[key], key, int))
-    for key in ("trust_remote_code", "verifier_cache"):
+    for key in ("trust_remote_code", "verifier_cache", "trace"):
         if raw.get(key) is not None:
             setattr(opts, key, _as_bool(raw[key], key))
     if raw.get("add_bos_token") is not None:
@@ -310,6 +313,8 @@ def parse_options(raw: dict[str, Any]) -> SafeOptions:
         opts.member_devices = split_list(raw["member_devices"], "member_devices")
     if raw.get("cache_dir") not in (None, ""):
         opts.cache_dir = str(raw["cache_dir"])
+    if raw.get("trace_dir") not in (None, ""):
+        opts.trace_dir = str(raw["trace_dir"])
     if raw.get("batch_size") not in (None, ""):
         opts.batch_size = parse_batch_size(raw["batch_size"])
     if raw.get("seed") not in (None, ""):
@@ -351,6 +356,8 @@ def _validate(opts: SafeOptions) -> None:
         )
     if opts.drafter is not None:
         resolve_drafter_index(opts.drafter, opts.members)
+    if opts.trace_dir is not None and not opts.trace:
+        raise OptionError("trace_dir= is where traces go: add trace=true to write them")
 
 
 def member_display_name(spec: str) -> str:

@@ -239,16 +239,24 @@ def sample_index(probs: torch.Tensor, generator: torch.Generator) -> int:
 
 
 def keep_or_resample(
-    target: torch.Tensor, draft: torch.Tensor, drafted: int, generator: torch.Generator
+    target: torch.Tensor,
+    draft: torch.Tensor,
+    drafted: int,
+    generator: torch.Generator,
+    test: dict[str, float] | None = None,
 ) -> int:
     """Speculative sampling's rule over one index space: keep ``drafted`` (drawn from ``draft``)
     with probability ``min(1, target/draft)``, else draw from ``norm(max(0, target - draft))``.
 
     The result is distributed exactly as ``target`` (both arguments normalised). Returns the
-    index chosen, ``drafted`` when kept.
+    index chosen, ``drafted`` when kept; ``test``, when given, receives the draw and the
+    probability of keeping (for traces).
     """
     p_draft, p_target = float(draft[drafted]), float(target[drafted])
     u = float(torch.rand((), generator=generator, dtype=torch.float64))
+    if test is not None:
+        keep = 1.0 if p_draft <= 0.0 else min(1.0, p_target / p_draft)
+        test.update(draw=round(u, 6), keep_probability=round(keep, 6))
     if u * p_draft < p_target:
         return drafted
     residual = (target - draft).clamp_min(0.0)
@@ -271,5 +279,7 @@ class RowSampler:
         """A token drawn from the request's warped distribution."""
         return sample_index(self.warp(logprobs).exp(), self.generator)
 
-    def keep_or_resample(self, target: torch.Tensor, draft: torch.Tensor, drafted: int) -> int:
-        return keep_or_resample(target, draft, drafted, self.generator)
+    def keep_or_resample(
+        self, target: torch.Tensor, draft: torch.Tensor, drafted: int, test: dict[str, float] | None = None
+    ) -> int:
+        return keep_or_resample(target, draft, drafted, self.generator, test)

@@ -218,6 +218,7 @@ class Aligned(Schedule):
                 for (verifier, _, _), (i, _), w in zip(synced, indices, self.weights[1:], strict=True)
             ]
             if self.skips_on_consensus and not sampled and self._agree(views, token, indices):
+                stats.consensus_skips += 1
                 continue
             points.append(EnsemblePoint(j, views))
             if not sampled:

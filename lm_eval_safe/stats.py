@@ -15,6 +15,7 @@ class GenerationStats:
     ensemble_kept: int = 0  # ensemble points that kept the drafter's token (sampling: accepted)
     ensemble_replaced: int = 0  # ... that replaced it (sampling: rejected and resampled)
     aligned_positions: int = 0
+    consensus_skips: int = 0  # aligned positions skipped because the members agree (SAFE)
     cycles: int = 0
     verifier_positions: int = (
         0  # verifier tokens run through a forward pass (recomputation included)

@@ -43,8 +43,9 @@ from lm_eval_safe.leaderboard.configs import (
     PaperPair,
     build_configs,
 )
+from lm_eval_safe.leaderboard.html_report import write_report
 from lm_eval_safe.leaderboard.report import leaderboard_header, markdown_table, plot
-from lm_eval_safe.leaderboard.runner import RunSettings, run_all
+from lm_eval_safe.leaderboard.runner import RunSettings, cell_run_dir, run_all
 from lm_eval_safe.options import member_display_name
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -151,8 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--save-samples",
         action="store_true",
-        help="also keep each run's responses (<name>.samples.json; with --runner cli, lm_eval's "
-        "samples_*.jsonl next to its results)",
+        help="also keep each run's responses (<name>.samples.json, and lm_eval's results and "
+        "samples_*.jsonl in <out>/lm_eval/<cell>/), ensembles with trace=true, and write "
+        "the HTML report beside the markdown (lm-eval-safe report over those folders)",
     )
     parser.add_argument(
         "--report-only",
@@ -250,6 +252,14 @@ def leaderboard(
     plot(outcomes, configs, settings.tasks, plot_path)
     print(table, flush=True)
     print(f"wrote {markdown} and {plot_path}", flush=True)
+    if settings.save_samples:
+        folders = [cell_run_dir(c, t, settings) for t in settings.tasks for c in configs]
+        found = [f for f in folders if f.is_dir() and any(f.rglob("results_*.json"))]
+        if len(found) < len(folders):  # cells cached by a run without --save-samples
+            print(f"report: {len(folders) - len(found)} cells have no lm-eval folder; rerun them with --save-samples to see them", flush=True)
+        if found:
+            report = write_report(found, markdown.with_suffix(".html"))
+            print(f"wrote {report}", flush=True)
     return table
 
 

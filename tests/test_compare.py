@@ -100,6 +100,12 @@ def test_compare_end_to_end_and_resume(
     png = out / "leaderboard.png"
     assert png.read_bytes()[:8] == PNG_MAGIC
 
+    # --save-samples: lm-eval folders per cell, traced ensembles, and the HTML report over them
+    page = (out / "leaderboard.html").read_text()
+    assert page.count('class="leaderboard-row"') == len(names)
+    traced = {p.parent.parent.name for p in (out / "lm_eval").rglob("traces_safe_gsm8k_*.jsonl")}
+    assert len(traced) == len(ENSEMBLE_CONFIGS)
+
     cache_files = sorted((out / "cache").glob("*__safe_gsm8k__limit2__*.json"))
     records = [
         json.loads(p.read_text()) for p in cache_files if not p.name.endswith(".samples.json")

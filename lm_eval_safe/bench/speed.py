@@ -10,6 +10,7 @@ would otherwise run; ``floor`` is :func:`lm_eval_safe.bench.floor.verify_floor` 
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import tempfile
 import time
@@ -24,7 +25,7 @@ from lm_eval_safe.aggregate import UnionVocabulary
 from lm_eval_safe.bench.floor import verify_floor
 from lm_eval_safe.bench.memory import max_rss_mib
 from lm_eval_safe.bench.timing import on_cuda, sync_device, timed
-from lm_eval_safe.decoding import SafeDecoder
+from lm_eval_safe.decoding import GenerationJob, SafeDecoder
 from lm_eval_safe.members import Member
 from lm_eval_safe.options import parse_options
 from lm_eval_safe.small_rows import small_row_linears
@@ -35,6 +36,9 @@ METHODS: dict[str, dict[str, Any] | None] = {
     "drafter": {"schedule": "drafter"},
     "safe_gac": {"schedule": "safe", "aggregator": "gac"},
     "safe_unite": {"schedule": "safe", "aggregator": "unite"},
+    # the same with trace=true's work (each point's candidates, each response a JSON line)
+    "safe_unite_traced": {"schedule": "safe", "aggregator": "unite"},
+    "safe_gac_traced": {"schedule": "safe", "aggregator": "gac"},
     "every": {"schedule": "every", "aggregator": "unite", "verifier_cache": True},
     "every_nocache": {"schedule": "every", "aggregator": "unite", "verifier_cache": False},
     "threshold": {"schedule": "threshold", "aggregator": "gac"},
@@ -128,8 +132,13 @@ def _run_drafter_alone(
 def _run_decoder(
     method: str, decoder: SafeDecoder, members: list[Member], context: str, max_new_tokens: int
 ) -> Run:
-    """One SafeDecoder schedule, with the statistics that explain its time."""
-    (text, stats), seconds = timed(lambda: decoder.generate(context, [], max_new_tokens), members)
+    """One SafeDecoder schedule, with the statistics that explain its time (``*_traced``: with
+    every response's trace serialised, as ``trace=true`` writes it)."""
+    job = GenerationJob(context, [], max_new_tokens)
+    lines: list[str] = []
+    on_trace = (lambda _i, record: lines.append(json.dumps(record))) if method.endswith("_traced") else None
+    results, seconds = timed(lambda: decoder.generate_many([job], 1, on_trace=on_trace), members)
+    text, stats = results[0]
     run = Run(method, -1, -1, stats.generated_tokens, seconds, text=text)
     run.drafted = stats.drafted_tokens
     run.accepted = stats.accepted_tokens

@@ -16,6 +16,9 @@ from lm_eval_safe.bench.speed import Run
 
 # (numerator, denominator) pairs the project cares about
 PROJECT_RATIOS = [
+    # trace=true's cost: the same decoding with every point's candidates and a JSON line each
+    ("safe_unite_traced", "safe_unite"),
+    ("safe_gac_traced", "safe_gac"),
     ("safe_unite", "floor"),
     ("safe_gac", "floor"),
     ("safe_unite", "hf_generate"),

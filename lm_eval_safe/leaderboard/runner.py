@@ -74,9 +74,12 @@ def run_one(
     settings: RunSettings,
     model_args: str,
     task_manager: Any,
+    run_dir: Path | None = None,
 ) -> tuple[dict[str, Any], float, bool]:
     """One ``simple_evaluate`` call; returns (results, wall seconds incl. model loading,
-    whether the chat template was applied).
+    whether the chat template was applied). With ``run_dir`` the results and samples are also
+    written there as ``lm_eval --output_path run_dir --log_samples`` writes them (the folder
+    ``lm-eval-safe report`` reads, whichever runner ran the cell).
 
     With ``apply_chat_template`` a member alone that has no chat template (a base model)
     runs on the plain prompt: that is what it sees inside the ensemble (each member renders
@@ -84,8 +87,11 @@ def run_one(
     the whole leaderboard at that cell."""
     import lm_eval
     from lm_eval.api.registry import get_model
+    from lm_eval.loggers import EvaluationTracker
 
     start = time.perf_counter()
+    # built before the model: a trace=true member set writes its traces where the tracker puts samples
+    tracker = None if run_dir is None else EvaluationTracker(output_path=str(run_dir))
     lm = get_model("safe-ensemble").create_from_arg_string(model_args)
     chat = settings.apply_chat_template and any(m.tokenizer.chat_template for m in lm.members)
     if settings.apply_chat_template and not chat:
@@ -99,10 +105,17 @@ def run_one(
         apply_chat_template=chat,
         log_samples=settings.save_samples,
         bootstrap_iters=0,
+        evaluation_tracker=tracker,
     )
     wall = time.perf_counter() - start
     if results is None:  # non-zero rank in a distributed run
         raise SystemExit("simple_evaluate returned nothing (not rank 0?)")
+    if tracker is not None:  # what lm_eval's CLI does after simple_evaluate
+        samples = results.get("samples") or {}
+        tracker.save_results_aggregated(results=results, samples=samples or None)
+        for task_name in results.get("configs", {}):
+            if task_name in samples:
+                tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
     return results, wall, chat
 
 
@@ -171,11 +184,20 @@ class _LazyTaskManager:
         return self._manager
 
 
-def _run_cell(
-    config: Config, task: str, settings: RunSettings, tag: str, task_managers: _LazyTaskManager
-) -> Outcome | None:
-    """One cell: read from the cache, print its command (dry run), skip it (report only), or
-    run it and cache its record at once. None when the cell has no result."""
+def traced_model_args(config: Config, model_args: str, settings: RunSettings) -> str:
+    """Ensembles whose samples are kept also write traces (``trace=true``): the HTML report
+    marks their ensemble points. Traces change no output, so the cell's cache key omits it."""
+    if config.is_single or not settings.save_samples:
+        return model_args
+    return f"{model_args},trace=true"
+
+
+def cell_run_dir(config: Config, task: str, settings: RunSettings) -> Path:
+    """The lm-eval output folder of one cell (results, samples and traces)."""
+    return _cell_key(config, task, settings)[1]
+
+
+def _cell_key(config: Config, task: str, settings: RunSettings) -> tuple[CellKey, Path, str]:
     model_args = full_model_args(
         config, settings.model_args_extra, settings.alone_args, settings.ensemble_args
     )
@@ -188,8 +210,18 @@ def _run_cell(
         settings.apply_chat_template,
     )
     path = key.path(settings.out)
-    run_dir = path.parent.parent / "lm_eval" / path.stem
-    command = lm_eval_command(task, settings, model_args, run_dir)
+    return key, path.parent.parent / "lm_eval" / path.stem, model_args
+
+
+def _run_cell(
+    config: Config, task: str, settings: RunSettings, tag: str, task_managers: _LazyTaskManager
+) -> Outcome | None:
+    """One cell: read from the cache, print its command (dry run), skip it (report only), or
+    run it and cache its record at once. None when the cell has no result."""
+    key, run_dir, model_args = _cell_key(config, task, settings)
+    path = key.path(settings.out)
+    run_args = traced_model_args(config, model_args, settings)
+    command = lm_eval_command(task, settings, run_args, run_dir)
     if path.is_file():
         outcome = outcome_from_record(read_record(path), cached=True)
         note = "# " if settings.dry_run else ""
@@ -209,7 +241,8 @@ def _run_cell(
     if settings.runner == "cli":
         results, wall = run_cli(command, run_dir)
     else:
-        results, wall, chat = run_one(config, task, settings, model_args, task_managers.get())
+        folder = run_dir if settings.save_samples else None
+        results, wall, chat = run_one(config, task, settings, run_args, task_managers.get(), folder)
     record = make_record(
         key,
         chat,
