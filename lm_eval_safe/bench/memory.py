@@ -15,6 +15,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from lm_eval.api.model import CacheHook
+
 MIB = 1 << 20
 
 
@@ -81,13 +83,14 @@ def _rounded(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
 
 
-class MemoryProbe:
-    """A stand-in for lm-eval's cache hook that samples memory when the n-th request ends.
+class MemoryProbe(CacheHook):
+    """lm-eval's cache hook (without a cache) that samples memory when the n-th request ends.
 
     Samples are taken from the hook lm-eval itself hands the model (``add_partial``), so a
     run stays one ``generate_until`` call, as in lm-eval, instead of many small ones."""
 
     def __init__(self, at: list[int]):
+        super().__init__(None)
         self.at = set(at)
         self.done = 0
         self.samples: dict[int, dict[str, Any]] = {}
