@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
 
-from lm_eval_safe.aggregate import Choice
 from lm_eval_safe.batch_driver import CYCLE_END, Steps, run_batched
 from lm_eval_safe.draft_window import DraftWindow
 from lm_eval_safe.ensembling import Ensembler
@@ -25,7 +24,7 @@ from lm_eval_safe.member_runs import DrafterRun, VerifierRun, WindowExhausted, v
 from lm_eval_safe.members import Member
 from lm_eval_safe.options import RequestError, SafeOptions
 from lm_eval_safe.sampling import RowSampler, SamplingParams
-from lm_eval_safe.schedules import Draft, DrafterAlone, EnsemblePoint, Schedule, make_schedule
+from lm_eval_safe.schedules import Draft, DrafterAlone, Schedule, make_schedule
 from lm_eval_safe.small_rows import small_row_linears
 from lm_eval_safe.stats import GenerationStats
 from lm_eval_safe.tracing import TRACE_COUNTS, ResponseTrace
@@ -234,7 +233,7 @@ class SafeDecoder:
         first point whose choice is not the drafted token replaces the rest of the window and
         rewinds the drafter; drafted tokens after the last judged position wait for the next
         cycle (carried, not drafted again)."""
-        stats, tokens = state.stats, draft.tokens
+        stats, tokens, drafter = state.stats, draft.tokens, self.drafter
         points, judged = [], len(tokens)
         try:
             points, judged = yield from state.schedule.points(
@@ -247,14 +246,19 @@ class SafeDecoder:
             state.schedule = DrafterAlone(self.drafter, self.weights)
         for point in points:
             j = point.position
-            test: dict[str, float] | None = None if state.trace is None else {}
+            # a sampled point's acceptance test, kept for its trace
+            traced_sample = state.trace is not None and state.sampler is not None
+            test: dict[str, float] | None = {} if traced_sample else None
             if state.sampler is None:
                 choice = self.ensembler.choose(point.views)
             else:
                 choice = self.ensembler.sample(point.views, tokens[j], state.sampler, test)
             replacement = self.ensembler.to_drafter_ids(choice, tokens[j])
             if state.trace is not None:
-                self._trace_point(state.trace, state, point, tokens, choice, replacement, test)
+                candidates = self.ensembler.candidates(point.views, state.sampler)
+                state.trace.add_point(
+                    drafter, state.generated, tokens, j, choice, replacement, candidates, test
+                )
             stats.ensemble_ops += 1
             stats.sharpened_ops += int(choice.sharpened)
             if replacement != tokens[j : j + 1]:
@@ -267,36 +271,6 @@ class SafeDecoder:
         stats.accepted_tokens += judged
         state.drafter.carry(tokens[judged:], draft.logprobs[judged:])
         return tokens[:judged]
-
-
-    def _trace_point(
-        self,
-        trace: ResponseTrace,
-        state: RequestState,
-        point: EnsemblePoint,
-        tokens: list[int],
-        choice: Choice,
-        replacement: list[int],
-        test: dict[str, float] | None,
-    ) -> None:
-        """One ensemble point into the request's trace: where it is in the response text (as the
-        response is decoded), what was drafted, chosen and proposed there."""
-        j = point.position
-        drafter = self.drafter
-        before = drafter.tokenizer.decode(state.generated + tokens[:j], skip_special_tokens=True)
-        members, ensemble = self.ensembler.candidates(point.views, state.sampler)
-        trace.add_point(
-            offset=len(before),
-            position=len(state.generated) + j,
-            drafted=drafter.vocab.keys[tokens[j]],
-            chosen=choice.key,
-            written=drafter.vocab.spell(replacement),
-            replaced=replacement != tokens[j : j + 1],
-            sharpened=choice.sharpened,
-            member_candidates=members,
-            ensemble_candidates=ensemble,
-            acceptance=test if state.sampler is not None else None,
-        )
 
 
 def _find_stop(text: str, until: list[str]) -> int | None:

@@ -31,6 +31,8 @@ from typing import IO, Any
 
 import torch
 
+from lm_eval_safe.aggregate import Choice
+from lm_eval_safe.members import Member
 from lm_eval_safe.options import OptionError
 from lm_eval_safe.vocabulary import EOS_KEY
 
@@ -69,29 +71,32 @@ class ResponseTrace:
 
     def add_point(
         self,
-        *,
-        offset: int,
+        drafter: Member,
+        generated: list[int],
+        tokens: list[int],
         position: int,
-        drafted: bytes,
-        chosen: bytes,
-        written: bytes,
-        replaced: bool,
-        sharpened: bool,
-        member_candidates: list[list[list[Any]]],
-        ensemble_candidates: list[list[Any]],
+        choice: Choice,
+        replacement: list[int],
+        candidates: tuple[list[Any], list[Any]],
         acceptance: dict[str, float] | None,
     ) -> None:
+        """The point at ``tokens[position]`` of a cycle's window, after ``generated``: its
+        character offset in the response as the drafter decodes it, what was drafted there,
+        chosen, and written (the drafter's ids for the choice), and the candidates
+        (:meth:`~lm_eval_safe.ensembling.Ensembler.candidates`)."""
+        before = drafter.tokenizer.decode(generated + tokens[:position], skip_special_tokens=True)
+        members, ensemble = candidates
         point: dict[str, Any] = {
             "index": len(self.points),
-            "offset": offset,
-            "position": position,
-            "drafted": key_text(drafted),
-            "chosen": key_text(chosen),
-            "written": key_text(written),  # what the drafter's ids for the choice spell
-            "action": "replaced" if replaced else "kept",
-            "sharpened": sharpened,
-            "ensemble": ensemble_candidates,
-            "members": dict(zip(self.members, member_candidates, strict=True)),
+            "offset": len(before),
+            "position": len(generated) + position,
+            "drafted": key_text(drafter.vocab.keys[tokens[position]]),
+            "chosen": key_text(choice.key),
+            "written": key_text(drafter.vocab.spell(replacement)),
+            "action": "replaced" if replacement != tokens[position : position + 1] else "kept",
+            "sharpened": choice.sharpened,
+            "ensemble": ensemble,
+            "members": dict(zip(self.members, members, strict=True)),
         }
         if acceptance is not None:
             point["acceptance"] = acceptance

@@ -98,6 +98,7 @@ def run_one(
         print(f"  {config.name}: no chat template; this cell runs on plain prompts", flush=True)
     results = lm_eval.simple_evaluate(
         model=lm,
+        model_args=model_args,  # not used to build lm: names its output folder and results
         tasks=[task],
         limit=settings.limits[task],
         task_manager=task_manager,

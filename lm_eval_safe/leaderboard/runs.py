@@ -22,6 +22,8 @@ from lm_eval_safe.leaderboard.configs import ALONE_PREFIX, ENSEMBLE_CONFIGS
 from lm_eval_safe.leaderboard.result_cache import Outcome, pick_metric, sample_count
 from lm_eval_safe.options import member_display_name, parse_model_args
 
+#: lm-eval's names of its transformers backend (registry names, and the class passed as an object)
+HF_MODELS = ("hf", "hf-auto", "huggingface", "HFLM")
 _RESULTS = re.compile(r"^results_(?P<date>.+)\.json$")
 
 
@@ -57,14 +59,14 @@ class Run:
 
 def _configuration(config: dict[str, Any], folder: Path) -> tuple[str, bool, list[str]]:
     """(name, is a member alone, member names) of a run, named as ``compare.py`` names its rows."""
-    model = config.get("model")
-    if model == "hf":
+    model = config.get("model")  # a registry name, or the class of a model object passed in
+    if model in HF_MODELS:
         args = parse_model_args(config.get("model_args") or "")
         if "pretrained" not in args:
             raise RunsError(f"{folder}: an hf run without pretrained= in its model_args")
         name = member_display_name(str(args["pretrained"]))
         return f"{ALONE_PREFIX}{name} (hf)", True, [name]
-    if model != "safe-ensemble":
+    if model not in ("safe-ensemble", "SafeEnsembleLM"):
         raise RunsError(
             f"{folder}: a run of --model {model}; the report compares safe-ensemble runs and "
             "members alone under --model hf"
