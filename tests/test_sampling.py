@@ -344,9 +344,11 @@ def test_first_string_is_distributed_as_the_ensemble(
     seen: list[Any] = []
     original = Ensembler.sample
 
-    def record(self: Ensembler, views: list, drafted: int, sampler: RowSampler) -> Choice:
+    def record(
+        self: Ensembler, views: list, drafted: int, sampler: RowSampler, test: dict | None = None
+    ) -> Choice:
         seen.append(views)
-        return original(self, views, drafted, sampler)
+        return original(self, views, drafted, sampler, test)
 
     monkeypatch.setattr(Ensembler, "sample", record)
     lm.generate_until([gen_request(prompt, until=[], max_gen_toks=1, do_sample=True, **warp)], True)
