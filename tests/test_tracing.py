@@ -144,7 +144,7 @@ def test_real_pair_on_bbh_traces_every_point_and_keeps_its_texts(
             tasks=["safe_bbh_navigate"],
             task_manager=manager,
             limit=3,
-            gen_kwargs="max_gen_toks=48",
+            gen_kwargs="max_gen_toks=40",
             log_samples=True,
             evaluation_tracker=tracker,
             bootstrap_iters=0,
