@@ -94,3 +94,21 @@ def test_every_speed_method_runs_to_its_budget_with_eos_masked(
     for method in methods:
         assert f"| {method} | {max_new} |" in table
     assert "| safe_unite/floor |" in table and "WARNING" not in table
+
+
+def test_bench_speed_script_end_to_end(tiny_bpe_dir: Path, tiny_sp_dir: Path, tmp_path: Path) -> None:
+    """The command line itself (warm-up, the union built outside the timed loop, the report)."""
+    from helpers import load_script, write_gsm8k
+
+    data = write_gsm8k(tmp_path, QUESTIONS)
+    script = load_script("bench_speed", "bench_speed_e2e")
+    out = tmp_path / "speed.json"
+    argv = [
+        "--members", f"{tiny_bpe_dir},{tiny_sp_dir}", "--data-dir", str(data), "--prompts", "2",
+        "--max-new-tokens", "4", "--ignore-eos", "--device", "cpu",
+        "--methods", "hf_generate,drafter,safe_gac,safe_unite,floor", "--json", str(out),
+    ]
+    assert script.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert set(report["methods"]) == {"hf_generate", "drafter", "safe_gac", "safe_unite", "floor"}
+    assert report["methods"]["safe_gac"]["tokens"] == 2 * 4
