@@ -45,8 +45,13 @@ class HeadlessPage:
         self._replies, replies_write = os.pipe()
 
         def wire() -> None:  # in the child: the protocol's fd 3 and 4
-            os.dup2(commands_read, 3)
-            os.dup2(replies_write, 4)
+            # through fresh copies: a pipe end that already is fd 3 or 4 (a fresh process) would
+            # make dup2 a no-op that keeps close-on-exec
+            commands, replies = os.dup(commands_read), os.dup(replies_write)
+            os.dup2(commands, 3)
+            os.dup2(replies, 4)
+            os.set_inheritable(3, True)
+            os.set_inheritable(4, True)
 
         self.process = subprocess.Popen(
             [
