@@ -22,6 +22,7 @@ Data-parallel ranks write files of their own (``.rank<r>`` before ``.jsonl``).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import weakref
@@ -35,6 +36,8 @@ from lm_eval_safe.aggregate import Choice
 from lm_eval_safe.members import Member
 from lm_eval_safe.options import OptionError
 from lm_eval_safe.vocabulary import EOS_KEY
+
+logger = logging.getLogger("lm_eval_safe")
 
 #: Candidates shown per member and for the ensemble at each point.
 TOP_CANDIDATES = 5
@@ -200,6 +203,9 @@ def samples_saved(tracker: Any, task_name: str) -> None:
     """Called by the start-up hook after lm-eval wrote a task's samples file: this run's trace
     files of the task are renamed to sit beside it (an open handle follows its file)."""
     if not tracker.output_path:
+        return
+    if "date_id" not in vars(tracker):  # lm-eval could not save the results (it logged why)
+        logger.warning("trace files keep their start-time names: lm-eval saved no results to pair with")
         return
     folder = _tracker_folder(tracker).resolve()
     name = _safe_name(task_name)

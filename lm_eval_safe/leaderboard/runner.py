@@ -112,6 +112,9 @@ def run_one(
     if results is None:  # non-zero rank in a distributed run
         raise SystemExit("simple_evaluate returned nothing (not rank 0?)")
     if tracker is not None:  # what lm_eval's CLI does after simple_evaluate
+        # the CLI's tracker names the model by its registry name; given the object itself,
+        # lm-eval 0.4.9 deep-copies it into the results and fails to save them (open files)
+        tracker.general_config_tracker.model_source = "safe-ensemble"
         samples = results.get("samples") or {}
         tracker.save_results_aggregated(results=results, samples=samples or None)
         for task_name in results.get("configs", {}):
