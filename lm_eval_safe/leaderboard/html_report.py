@@ -123,8 +123,7 @@ def _leaderboard(runs: Sequence[Run], tasks: Sequence[str]) -> str:
                 acc += f" ({figures.gap_points:+.1f})"
             ci = "-" if figures.interval_percent is None else "[{:.1f}, {:.1f}]".format(*figures.interval_percent)
             cells.append(f"<td>{acc}</td><td>{ci}</td><td>{figures.n}</td>")
-        any_outcome = next(iter(run.outcomes.values()), None)
-        speed = _speed_cells(any_outcome, run.is_single)
+        speed = _speed_cells(_run_wide(run), run.is_single)
         rows.append(
             f'<tr class="leaderboard-row" data-config="{_e(run.config)}"><td>{_e(run.config)}</td>'
             + "".join(cells)
@@ -138,6 +137,12 @@ def _leaderboard(runs: Sequence[Run], tasks: Sequence[str]) -> str:
         + "".join(rows)
         + "</tbody></table>"
     )
+
+
+def _run_wide(run: Run) -> Outcome | None:
+    """Any of a run's outcomes: E/T, acceptance, tokens/s and wall time are the run's, the same
+    in each of its tasks."""
+    return next(iter(run.outcomes.values()), None)
 
 
 def _speed_cells(outcome: Outcome | None, single: bool) -> str:
@@ -185,7 +190,7 @@ def _plots(runs: Sequence[Run], tasks: Sequence[str]) -> str:
     ax_acc.set_title("Accuracy against ensembled tokens")
     ax_acc.legend(fontsize=7, loc="lower right")
     names = [run.config for run in runs]
-    speeds = [next(iter(run.outcomes.values())).tokens_per_second or 0.0 if run.outcomes else 0.0 for run in runs]
+    speeds = [(o.tokens_per_second if (o := _run_wide(run)) else None) or 0.0 for run in runs]
     ax_speed.barh(range(len(names)), speeds, color=[f"C{j % 10}" for j in range(len(names))])
     ax_speed.set_yticks(range(len(names)))
     ax_speed.set_yticklabels(names, fontsize=7)
