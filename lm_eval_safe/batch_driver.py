@@ -6,19 +6,58 @@ A request's decoding is a generator (:data:`Steps`): it yields each forward it n
 :data:`CYCLE_END` after each SAFE cycle, where the batch waits for all its rows. The same
 generator runs alone (:func:`drive`) or in a batch (:func:`run_batched`), so the text of a
 request never depends on the batch size.
+
+Overlap (``overlap=``, :mod:`lm_eval_safe.overlap`): a request may :class:`Launch` a verifier
+forward instead of waiting for it, draft meanwhile, and :class:`Await` its rows. Every
+verifier member runs its forwards on a thread of its own (one at a time, in the order asked),
+the drafter on the calling thread, so a member's cache is only ever touched by one thread.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from lm_eval_safe.batching import Forward, MemberBatch
 from lm_eval_safe.members import Member
 
 CYCLE_END = object()
 Steps = Generator[Any, Any, Any]
+
+
+@dataclass
+class Launch:
+    """Start ``call`` (a verifier's forward) without waiting: answered at once with a
+    :class:`Pending` whose ``done()`` says whether its rows are in."""
+
+    call: Forward
+
+
+class Pending:
+    """One row's share of a launched batched forward."""
+
+    def __init__(self, future: Future, row: int):
+        self.future = future
+        self.row = row
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def rows(self) -> torch.Tensor:
+        return self.future.result()[self.row]
+
+
+@dataclass
+class Await:
+    """Wait for a launched forward: answered with its log-prob rows."""
+
+    pending: Pending
 
 
 class Row:
@@ -67,6 +106,7 @@ def run_batched(
     start: Callable[[int], Steps],
     batch_size: int,
     on_done: Callable[[int, Any], None] | None = None,
+    threaded: bool = False,
 ) -> dict[int, Any]:
     """Decode the requests ``order`` names, ``batch_size`` rows at a time, ``start(i)`` giving
     request ``i``'s steps; returns each request's result by index.
@@ -74,32 +114,72 @@ def run_batched(
     Rows advance in lock-step cycles: every row drafts (one batched forward of member 0 per
     step), then each other member serves the rows that need it in one batched forward, then each
     row accepts or rolls back on its own. A finished row is replaced by the next request at the
-    cycle's end (continuous refill)."""
+    cycle's end (continuous refill). ``threaded``: verifier members run on threads of their own,
+    which rows that :class:`Launch` forwards need."""
     batches = [MemberBatch(m) for m in members]
     queue = deque(order)
     results: dict[int, Any] = {}
     rows: list[Row] = []
-    while queue or rows:
-        while queue and len(rows) < max(1, batch_size):
-            index = queue.popleft()
+    with ExitStack() as stack:
+        threads: list[ThreadPoolExecutor | None] = [None] * len(members)
+        if threaded:
+            threads[1:] = [
+                stack.enter_context(ThreadPoolExecutor(1, f"lm-eval-safe-{m.name}"))
+                for m in members[1:]
+            ]
+        while queue or rows:
+            while queue and len(rows) < max(1, batch_size):
+                index = queue.popleft()
+                for batch in batches:
+                    batch.add_row()
+                rows.append(Row(index, start(index)))
+            for row in rows:
+                row.advance()
+            while any(row.call is not None for row in rows):
+                _serve(rows, batches, threads)
+            alive = [r for r, row in enumerate(rows) if not row.done]
+            for row in rows:
+                if row.done:
+                    results[row.index] = row.result
+                    if on_done is not None:
+                        on_done(row.index, row.result)
             for batch in batches:
-                batch.add_row()
-            rows.append(Row(index, start(index)))
-        for row in rows:
-            row.advance()
-        # serve forwards, the lowest member first, until every row has ended its cycle
-        while waiting := [(r, row.call) for r, row in enumerate(rows) if row.call is not None]:
-            member = min(call.member for _, call in waiting)
-            calls = {r: call for r, call in waiting if call.member == member}
-            for r, out in batches[member].run(calls).items():
-                rows[r].advance(out)
-        alive = [r for r, row in enumerate(rows) if not row.done]
-        for row in rows:
-            if row.done:
-                results[row.index] = row.result
-                if on_done is not None:
-                    on_done(row.index, row.result)
-        for batch in batches:
-            batch.keep_rows(alive)
-        rows = [rows[r] for r in alive]
+                batch.keep_rows(alive)
+            rows = [rows[r] for r in alive]
     return results
+
+
+def _serve(
+    rows: list[Row], batches: list[MemberBatch], threads: list[ThreadPoolExecutor | None]
+) -> None:
+    """One round of the rows' calls, in the order that keeps every member busy: plain forwards
+    the lowest member first (the drafter's are the critical path), but launches before a
+    verifier's plain forwards (one batched forward per member, started on its thread), and
+    awaits only when nothing else is asked for. A verifier's plain forward runs on its thread
+    too when it has one, after whatever that member has launched."""
+    waiting = [(r, row.call) for r, row in enumerate(rows) if row.call is not None]
+    forwards = {r: c for r, c in waiting if isinstance(c, Forward)}
+    launches = {r: c.call for r, c in waiting if isinstance(c, Launch)}
+    lowest = min((c.member for c in forwards.values()), default=None)
+    if lowest is not None and (lowest == 0 or not launches):
+        calls = {r: c for r, c in forwards.items() if c.member == lowest}
+        thread = threads[lowest]
+        if thread is None:
+            answers = batches[lowest].run(calls)
+        else:
+            answers = thread.submit(batches[lowest].run, calls).result()
+        for r, out in answers.items():
+            rows[r].advance(out)
+        return
+    if launches:
+        for member in sorted({c.member for c in launches.values()}):
+            calls = {r: c for r, c in launches.items() if c.member == member}
+            thread = threads[member]
+            if thread is None:
+                raise RuntimeError("a Launch needs run_batched(threaded=True)")
+            future = thread.submit(batches[member].run, calls)
+            for r in calls:
+                rows[r].advance(Pending(future, r))
+        return
+    for r, call in waiting:  # only awaits are left
+        rows[r].advance(call.pending.rows())

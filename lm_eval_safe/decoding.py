@@ -20,9 +20,11 @@ from typing import NamedTuple
 from lm_eval_safe.batch_driver import CYCLE_END, Steps, run_batched
 from lm_eval_safe.draft_window import DraftWindow
 from lm_eval_safe.ensembling import Ensembler
+from lm_eval_safe.latency import CycleForwards, forward_depth
 from lm_eval_safe.member_runs import DrafterRun, VerifierRun, WindowExhausted, verifier_reserve
 from lm_eval_safe.members import Member
 from lm_eval_safe.options import RequestError, SafeOptions
+from lm_eval_safe.overlap import overlap_enabled, verify_beside_draft
 from lm_eval_safe.sampling import RowSampler, SamplingParams
 from lm_eval_safe.schedules import Draft, DrafterAlone, Schedule, make_schedule
 from lm_eval_safe.small_rows import small_row_linears
@@ -56,6 +58,7 @@ class RequestState:
     generated_bytes: bytes = b""
     text: str = ""
     trace: ResponseTrace | None = None  # trace=true only
+    cycles: list[CycleForwards] = field(default_factory=list)  # the forwards of each cycle
 
 
 class SafeDecoder:
@@ -72,6 +75,11 @@ class SafeDecoder:
         ]
         self.schedule = make_schedule(options, self.drafter, self.weights, len(self.verifiers))
         self.ensembler = Ensembler(self.drafter, self.verifiers, options)
+        self.overlap = self.schedule.needs_verifiers and overlap_enabled(
+            options.overlap, self.drafter, self.verifiers
+        )
+        # benchmarks: each request's cycles (lm_eval_safe.latency), when set to a list
+        self.cycle_log: list[list[CycleForwards]] | None = None
 
     # -- prompts -------------------------------------------------------------------------
     @staticmethod
@@ -164,6 +172,7 @@ class SafeDecoder:
                 ),
                 batch_size,
                 on_done,
+                threaded=self.overlap,
             )
         return [results[i] for i in range(len(jobs))]
 
@@ -200,9 +209,14 @@ class SafeDecoder:
         while len(state.generated) < max_new_tokens:
             budget = max_new_tokens - len(state.generated)
             n = state.schedule.draft_size(state.window, budget)
+            cycle = CycleForwards(verifiers=[[] for _ in state.verifiers])
+            drafted_before = state.drafter.drafted
             tokens, logprobs = yield from state.drafter.draft(n)
+            cycle.drafter = state.drafter.drafted - drafted_before
+            state.cycles.append(cycle)
             stats.cycles += 1
-            tokens = yield from self._settle(state, Draft(state.generated_bytes, tokens, logprobs))
+            draft = Draft(state.generated_bytes, tokens, logprobs)
+            tokens = yield from self._settle(state, draft, cycle, ahead=budget - len(tokens))
             state.window.update()
             eos_at = next((i for i, t in enumerate(tokens) if t in drafter.eos_ids), None)
             if eos_at is not None:
@@ -220,6 +234,12 @@ class SafeDecoder:
         stats.generated_tokens = len(state.generated[:max_new_tokens])
         stats.drafted_tokens = state.drafter.drafted
         stats.verifier_positions = sum(v.recomputed for v in state.verifiers)
+        stats.drafter_forwards = state.drafter.forwards
+        stats.speculative_dropped = state.drafter.forwards - state.drafter.drafted
+        stats.verifier_forwards = {v.member.name: v.forwards for v in state.verifiers}
+        stats.forward_depth, stats.forward_depth_overlapped = forward_depth(state.cycles)
+        if self.cycle_log is not None:
+            self.cycle_log.append(state.cycles)
         stats.wall_seconds = time.perf_counter() - start_time
         stop = _find_stop(state.text, until)
         text = state.text if stop is None else state.text[:stop]
@@ -228,16 +248,23 @@ class SafeDecoder:
             emit(state.trace.record(text, counts, state.sampler is not None))
         return text, stats
 
-    def _settle(self, state: RequestState, draft: Draft) -> Steps:
+    def _settle(self, state: RequestState, draft: Draft, cycle: CycleForwards, ahead: int) -> Steps:
         """Ensemble the cycle's points in order; returns the tokens this cycle commits. The
         first point whose choice is not the drafted token replaces the rest of the window and
         rewinds the drafter; drafted tokens after the last judged position wait for the next
-        cycle (carried, not drafted again)."""
+        cycle (carried, not drafted again). With overlap, the drafter drafts up to the next
+        window (at most ``ahead`` tokens of the budget) while the verifiers run."""
         stats, tokens, drafter = state.stats, draft.tokens, self.drafter
         points, judged = [], len(tokens)
+        speculate = self.overlap and state.sampler is None
+        drafts_ahead = state.drafter if speculate else None
+        ahead = min(ahead, state.window.size_if_kept()) - len(state.drafter.carried)
         try:
-            points, judged = yield from state.schedule.points(
-                draft, state.verifiers, stats, state.sampler is not None
+            points, judged = yield from verify_beside_draft(
+                state.schedule.points(draft, state.verifiers, stats, state.sampler is not None),
+                cycle,
+                drafts_ahead,
+                ahead,
             )
         except WindowExhausted as exc:
             logger.warning(
@@ -263,6 +290,7 @@ class SafeDecoder:
             stats.sharpened_ops += int(choice.sharpened)
             if replacement != tokens[j : j + 1]:
                 stats.ensemble_replaced += 1
+                cycle.replaced = True
                 stats.accepted_tokens += j
                 state.window.rejected = True
                 state.drafter.rewind(len(state.generated) + j, replacement)

@@ -28,6 +28,10 @@ class DraftWindow:
             self.size = max(1, self.size - 1) if self.rejected else min(self.largest, self.size + 2)
         self.rejected = False
 
+    def size_if_kept(self) -> int:
+        """The next cycle's window should this one's drafted tokens all be kept."""
+        return min(self.largest, self.size + 2) if self.adaptive else self.size
+
     def forget_margin(self) -> int:
         """Verifier rows older than this many tokens before the end can no longer be asked for:
         a later cycle re-tokenizes at most its window plus the BPE merges across the old end."""

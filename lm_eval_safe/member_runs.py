@@ -7,6 +7,8 @@ generators), so the same state runs alone or as one row of a batch.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from lm_eval_safe.batch_driver import Steps, drive, solo_batch
@@ -51,31 +53,53 @@ class DrafterRun:
         self.cached = 0
         self.pending = list(prompt_ids)
         self.drafted = 0  # drafter forwards that produced a token (carried tokens count once)
-        self.carried: list[tuple[int, torch.Tensor]] = []
+        self.forwards = 0  # every forward, speculative ones that were rolled back included
+        # (token, log-probs, drafted ahead): tokens waiting for a later cycle
+        self.carried: list[tuple[int, torch.Tensor, bool]] = []
 
     def draft(self, n: int) -> Steps:
         taken, self.carried = self.carried[:n], self.carried[n:]
-        tokens = [token for token, _ in taken]
-        logprobs = [row for _, row in taken]
+        tokens = [token for token, _, _ in taken]
+        logprobs = [row for _, row, _ in taken]
+        self.drafted += sum(ahead for _, _, ahead in taken)  # a speculative draft, now used
         if tokens and tokens[-1] in self.member.eos_ids:
             return tokens, logprobs
         while len(tokens) < n:
-            fed = self.pending
-            rows = yield Forward(self.slot, self.cached, fed, [len(fed) - 1])
-            self.cached += len(fed)
+            token, row = yield from self._next_token()
             self.drafted += 1
-            row = rows[0]
-            token = int(torch.argmax(row)) if self.sampler is None else self.sampler.sample(row)
             tokens.append(token)
             logprobs.append(row)
-            self.pending = [token]
             if token in self.member.eos_ids:
                 break
         return tokens, logprobs
 
+    def draft_ahead(self, verified: Any, limit: int) -> Steps:
+        """Draft up to ``limit`` tokens after everything drafted so far while ``verified`` (a
+        launched verifier forward) runs, on the assumption that the window it verifies is kept:
+        they wait in ``carried`` and the next cycle takes them as it takes carried tokens. A
+        replacement rolls them back with the rest (:meth:`rewind`). Greedy only: the tokens are
+        those the next cycle would draft, from the same cache, one forward each."""
+        last = self.pending[-1]  # the last token drafted (or chosen), fed next
+        drafted = 0
+        while drafted < limit and not verified.done() and last not in self.member.eos_ids:
+            last, row = yield from self._next_token()
+            self.carried.append((last, row, True))
+            drafted += 1
+
+    def _next_token(self) -> Steps:
+        fed = self.pending
+        rows = yield Forward(self.slot, self.cached, fed, [len(fed) - 1])
+        self.cached += len(fed)
+        self.forwards += 1
+        row = rows[0]
+        token = int(torch.argmax(row)) if self.sampler is None else self.sampler.sample(row)
+        self.pending = [token]
+        return token, row
+
     def carry(self, tokens: list[int], logprobs: list[torch.Tensor]) -> None:
         """Keep drafted tokens that follow an accepted ensemble point for the next cycle."""
-        self.carried = list(zip(tokens, logprobs, strict=True)) + self.carried
+        kept = [(token, row, False) for token, row in zip(tokens, logprobs, strict=True)]
+        self.carried = kept + self.carried
 
     def rewind(self, generated_kept: int, pending: list[int]) -> None:
         """Drop drafted tokens from the cache: keep the prompt and ``generated_kept`` tokens."""
@@ -88,9 +112,14 @@ class VerifierRun:
     """A verifier's state for one request: its tokenization of the text and a reusable KV cache.
 
     ``pred[i]`` holds the log-probabilities predicting generated token ``i`` (``pred[0]`` comes
-    from the prompt). When the text grows, the cache is kept up to the longest prefix of the old
-    ids that the new tokenization still starts with (BPE may re-merge the last tokens), and only
-    the rest is recomputed. The prompt is never recomputed.
+    from the prompt). When the text grows, the cache is kept up to the longest prefix of the ids
+    it holds that the new tokenization still starts with (BPE may re-merge the last tokens), and
+    only the rest is fed. The prompt is never recomputed.
+
+    A sync feeds the text only up to the last token whose row it wants: tokens after it wait in
+    ``gen_ids`` for a later sync, which feeds them with its own window (a replacement in between
+    would have made them wasted work). The last fed token's row is therefore always one asked
+    for, so the next window's first row never needs that token fed a second time.
     """
 
     def __init__(
@@ -100,9 +129,11 @@ class VerifierRun:
         self.slot = slot
         self.prompt_ids = list(prompt_ids)
         self.reuse_cache = reuse_cache
-        self.gen_ids: list[int] = []
+        self.gen_ids: list[int] = []  # this verifier's ids of the text last synced
+        self.fed = 0  # of those, how many are in the cache (after the prompt)
         self.pred: dict[int, torch.Tensor] = {}
         self.recomputed = 0
+        self.forwards = 0
         self._solo: dict[int, MemberBatch] | None = None
 
     def sync(
@@ -126,29 +157,32 @@ class VerifierRun:
         if 0 not in self.pred:
             prompt = self.prompt_ids
             self.pred[0] = (yield Forward(self.slot, 0, prompt, [len(prompt) - 1]))[0]
+            self.forwards += 1
         ids = self.member.vocab.encode_text(self.member.tokenizer, text)
         if len(self.prompt_ids) + len(ids) > self.member.max_length:
             raise WindowExhausted(self.member.name)
         ends = self.member.vocab.token_ends(ids, text_bytes[: len(text.encode("utf-8"))])
         keep = 0
         if self.reuse_cache:
-            limit = min(len(ids), len(self.gen_ids))
+            limit = min(len(ids), self.fed)
             while keep < limit and ids[keep] == self.gen_ids[keep]:
                 keep += 1
-        # rows up to index `keep` depend only on unchanged tokens and stay valid
+        # rows up to index `keep` depend only on cached tokens that are unchanged
         for stale in [i for i in self.pred if i > keep]:
             del self.pred[stale]
+        self.gen_ids, self.fed = ids, keep
         wanted = {len(ids)} if want_offsets is None else self._indices_at(want_offsets, ends)
         missing = sorted(i for i in wanted if i not in self.pred)
-        start = min(keep, missing[0] - 1) if missing else keep  # pred[0] always exists
-        feed = ids[start:]
-        if feed:
+        if missing:
+            start = min(keep, missing[0] - 1)  # pred[0] always exists
+            feed = ids[start : missing[-1]]
             want = [i - 1 - start for i in missing]
             rows = yield Forward(self.slot, len(self.prompt_ids) + start, feed, want)
             for i, row in zip(missing, rows, strict=True):
                 self.pred[i] = row
             self.recomputed += len(feed)
-        self.gen_ids = ids
+            self.forwards += 1
+            self.fed = missing[-1]
         return ids, ends
 
     @staticmethod

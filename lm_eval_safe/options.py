@@ -18,6 +18,7 @@ SHARPENINGS = ("heuristic", "geometric", "none")
 LL_AGGREGATES = ("mean", "logmean")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 FAST_SMALL_LINEAR = ("auto", "on", "off")
+OVERLAP = ("auto", "on", "off")
 
 
 class OptionError(ValueError):
@@ -210,6 +211,7 @@ class SafeOptions:
     verifier_cache: bool = True
     add_bos_token: bool | None = None
     fast_small_linear: str = "auto"
+    overlap: str = "auto"  # verifier forwards beside the next draft (overlap.py)
     prefix_cache_mb: float = 256.0
     seed: int | None = None  # sampling: None = lm-eval's torch seed (torch.initial_seed())
     trace: bool = False  # a JSON line per response: where the ensemble acted (tracing.py)
@@ -236,7 +238,7 @@ class SafeOptions:
 #: ``SafeEnsembleLM.cache_namespace``, which adds the members' identities and resolves
 #: ``drafter``/``dtype`` to what was actually loaded. An option that only changes speed or
 #: placement (batch_size, device, member_devices, verifier_cache, cache_dir, max_batch_size,
-#: trace, trace_dir)
+#: trace, trace_dir, overlap)
 #: must not be listed: it would split the cache for nothing. A new output-changing option is
 #: one more name here.
 OUTPUT_OPTIONS: tuple[str, ...] = (
@@ -290,6 +292,7 @@ def parse_options(raw: dict[str, Any]) -> SafeOptions:
         ("ll_aggregate", LL_AGGREGATES),
         ("dtype", DTYPES),
         ("fast_small_linear", FAST_SMALL_LINEAR),
+        ("overlap", OVERLAP),
     ):
         if raw.get(key) is not None:
             setattr(opts, key, _choice(raw[key], key, choices))

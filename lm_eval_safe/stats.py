@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass
@@ -25,11 +25,21 @@ class GenerationStats:
     sampled_requests: int = 0  # requests decoded by sampling (the rest are greedy)
     prefill_tokens: int = 0  # prompt tokens of every member (generation and scoring contexts)
     prefill_tokens_saved: int = 0  # of those, states taken from the shared-prefix store
+    # forwards, the counts a GPU's latency follows (lm_eval_safe.latency)
+    drafter_forwards: int = 0  # every drafter forward, dropped speculative ones included
+    speculative_dropped: int = 0  # overlap: drafter forwards drafted ahead, then rolled back
+    verifier_forwards: dict[str, int] = field(default_factory=dict)  # per verifier member
+    forward_depth: float = 0.0  # forwards one after another, verifiers after each draft
+    forward_depth_overlapped: float = 0.0  # modelled, verifiers beside the next draft
     wall_seconds: float = 0.0
 
     def add(self, other: GenerationStats) -> None:
         for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, dict):
+                setattr(self, f.name, {k: mine.get(k, 0) + theirs.get(k, 0) for k in {**mine, **theirs}})
+            else:
+                setattr(self, f.name, mine + theirs)
 
     @property
     def ensemble_rate(self) -> float:
@@ -61,6 +71,10 @@ class GenerationStats:
             if self.generated_tokens
             else 0.0
         )
+        for key in ("forward_depth", "forward_depth_overlapped"):
+            data[f"{key}_per_token"] = (
+                round(getattr(self, key) / self.generated_tokens, 4) if self.generated_tokens else 0.0
+            )
         data["wall_seconds"] = round(self.wall_seconds, 3)
         return data
 
