@@ -28,6 +28,13 @@ every number that matters here is a *ratio of per-token times measured side by s
 * Memory: the process's max RSS (``ru_maxrss``) after each method -- monotone, so it only
   shows which method first raised the peak -- plus ``torch.cuda.max_memory_allocated`` per
   method on GPU. ``tracemalloc`` does not see torch's allocations, so it is not used.
+* ``safe_*_overlap`` run ``overlap=on`` (verifier threads beside the next draft): on a CPU the
+  members share the cores, so this measures whether splitting them pays on this machine.
+* The latency model (:mod:`lm_eval_safe.bench.latency_model`): each member's forward over 1
+  and 5 new tokens is timed once before the loop, and each decoder run's counted forwards are
+  priced with those latencies, in turn and overlapped (verifiers on their own devices). The
+  modelled ratios are printed apart from the measured ones and labelled as a model: they say
+  what a latency-bound device would give, not what this machine does.
 * The union vocabulary (gac only) is built once per member set: its build time is reported
   uncached and then cached on disk (first build writes, second loads), and it is built before
   timing so that no method pays for it inside the loop.
@@ -56,6 +63,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from lm_eval_safe.bench.eos import mask_eos  # noqa: E402
+from lm_eval_safe.bench.latency_model import measure_latency  # noqa: E402
 from lm_eval_safe.bench.memory import rss_mib  # noqa: E402
 from lm_eval_safe.bench.output import write_json_report  # noqa: E402
 from lm_eval_safe.bench.prompts import DATASET_FIELDS, load_prompts  # noqa: E402
@@ -66,7 +74,7 @@ from lm_eval_safe.bench.speed import (  # noqa: E402
     time_methods,
     time_union,
 )
-from lm_eval_safe.bench.speed_report import markdown, ratios, summarise  # noqa: E402
+from lm_eval_safe.bench.speed_report import markdown, modelled, ratios, summarise  # noqa: E402
 from lm_eval_safe.members import load_member  # noqa: E402
 from lm_eval_safe.options import resolve_drafter_index  # noqa: E402
 
@@ -96,6 +104,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the method before it prefilled; scripts/bench_eval.py measures reuse across requests)",
     )
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    p.add_argument(
+        "--member-devices",
+        default=None,
+        help="one device per member, e.g. cuda:0,cuda:1: where overlap=auto turns on, so the "
+        "safe_*_overlap methods measure the real ratio the latency model predicts",
+    )
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument(
@@ -105,6 +119,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(speed only; SmolLM2-Instruct otherwise ends a plain-text prompt at once)",
     )
     p.add_argument("--no-warmup", action="store_true", help="skip the short untimed warm-up")
+    p.add_argument(
+        "--no-latency-model",
+        action="store_true",
+        help="skip measuring 1- and 5-row forward latencies and the modelled GPU ratios",
+    )
     p.add_argument(
         "--profile",
         default=None,
@@ -131,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     specs = [s.strip() for s in args.members.split(",") if s.strip()]
     drafter_index = resolve_drafter_index(args.drafter, specs)
     prompts = load_prompts(args.data_dir, args.dataset, args.prompts, args.shots)
+    devices = [d.strip() for d in args.member_devices.split(",")] if args.member_devices else None
+    if devices is not None and len(devices) != len(specs):
+        raise SystemExit(f"--member-devices names {len(devices)} devices for {len(specs)} members")
     base = {
         "members": specs,
         "drafter": str(drafter_index),
@@ -143,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         load_member(
             spec,
             index=i,
-            device=args.device,
+            device=devices[i] if devices else args.device,
             dtype=args.dtype,
             fast_small_linear=args.fast_small_linear,
             prefix_cache_mb=args.prefix_cache_mb,
@@ -171,8 +193,14 @@ def main(argv: list[str] | None = None) -> int:
         for method in args.method_list:
             run_method(method, decoders, members, prompts[0], min(8, args.max_new_tokens))
 
+    latencies = None
+    if not args.no_latency_model:  # before the timed loop, never inside it
+        base_decoder = decoders["_base"]
+        latencies = [
+            measure_latency(m, base_decoder.prompt_ids(m, prompts[0], args.max_new_tokens)) for m in members
+        ]
     runs = time_methods(
-        args.method_list, decoders, members, prompts, args.max_new_tokens, args.repeats
+        args.method_list, decoders, members, prompts, args.max_new_tokens, args.repeats, latencies
     )
 
     report = {
@@ -188,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             "fast_small_linear": args.fast_small_linear,
             "prefix_cache_mb": args.prefix_cache_mb,
             "methods": args.method_list,
-            "device": str(members[0].device),
+            "device": ",".join(str(m.device) for m in members),
             "dtype": str(members[0].dtype).replace("torch.", ""),
             "torch_threads": torch.get_num_threads(),
             "ignore_eos": args.ignore_eos,
@@ -200,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         "union_vocabulary": union_times,
         "methods": summarise(runs, args.method_list),
         "ratios": ratios(runs, args.method_list),
+        "forward_latency": {m.name: vars(lat) for m, lat in zip(members, latencies or [], strict=False)},
+        "modelled": modelled(runs, args.method_list) if latencies else [],
         "current_rss_mib_end": rss_mib(),
         "runs": [
             {k: v for k, v in vars(r).items()} | {"per_token_seconds": r.per_token} for r in runs

@@ -106,9 +106,20 @@ def test_bench_speed_script_end_to_end(tiny_bpe_dir: Path, tiny_sp_dir: Path, tm
     argv = [
         "--members", f"{tiny_bpe_dir},{tiny_sp_dir}", "--data-dir", str(data), "--prompts", "2",
         "--max-new-tokens", "4", "--ignore-eos", "--device", "cpu",
-        "--methods", "hf_generate,drafter,safe_gac,safe_unite,floor", "--json", str(out),
+        "--methods", "hf_generate,drafter,safe_gac,safe_unite,safe_unite_overlap,floor", "--json", str(out),
     ]
     assert script.main(argv) == 0
     report = json.loads(out.read_text())
-    assert set(report["methods"]) == {"hf_generate", "drafter", "safe_gac", "safe_unite", "floor"}
+    assert set(report["methods"]) == {"hf_generate", "drafter", "safe_gac", "safe_unite", "safe_unite_overlap", "floor"}
     assert report["methods"]["safe_gac"]["tokens"] == 2 * 4
+    # the latency model: measured inputs, and each decoder run priced from its own cycles
+    assert all(v["five_rows"] > 0 and v["one_row"] > 0 for v in report["forward_latency"].values())
+    modelled = {r["ratio"]: r for r in report["modelled"]}
+    assert set(modelled) == {"safe_unite/drafter", "safe_gac/drafter"}
+    for row in modelled.values():
+        assert row["modelled_in_turn"] >= row["modelled_overlapped"] > 0
+        assert row["depth_per_token"] >= row["depth_per_token_overlapped"] >= 1.0
+    drafter_runs = [r for r in report["runs"] if r["method"] == "drafter"]
+    latency = report["forward_latency"][Path(tiny_bpe_dir).name]["one_row"]
+    for r in drafter_runs:  # the drafter alone: one drafter forward per token, nothing else
+        assert r["modelled_seconds"] == pytest.approx(r["extra"]["drafter_forwards"] * latency)

@@ -23,6 +23,7 @@ import torch
 
 from lm_eval_safe.aggregate import UnionVocabulary
 from lm_eval_safe.bench.floor import verify_floor
+from lm_eval_safe.bench.latency_model import ForwardLatency, modelled_seconds
 from lm_eval_safe.bench.memory import max_rss_mib
 from lm_eval_safe.bench.timing import on_cuda, sync_device, timed
 from lm_eval_safe.decoding import GenerationJob, SafeDecoder
@@ -45,6 +46,9 @@ METHODS: dict[str, dict[str, Any] | None] = {
     "safe_nocache": {"schedule": "safe", "aggregator": "unite", "verifier_cache": False},
     "safe_gac_auto": {"schedule": "safe", "aggregator": "gac", "draft_len": "auto"},
     "safe_unite_auto": {"schedule": "safe", "aggregator": "unite", "draft_len": "auto"},
+    # verifiers on threads of their own beside the next draft (overlap=on; auto is off on CPU)
+    "safe_unite_overlap": {"schedule": "safe", "aggregator": "unite", "overlap": "on"},
+    "safe_gac_overlap": {"schedule": "safe", "aggregator": "gac", "overlap": "on"},
     "floor": None,
 }
 
@@ -66,6 +70,9 @@ class Run:
     text: str = ""
     max_rss_mib: float = 0.0
     cuda_peak_mib: float | None = None
+    # the latency model (lm_eval_safe.bench.latency_model): seconds in turn and overlapped
+    modelled_seconds: float | None = None
+    modelled_overlapped_seconds: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -130,16 +137,26 @@ def _run_drafter_alone(
 
 
 def _run_decoder(
-    method: str, decoder: SafeDecoder, members: list[Member], context: str, max_new_tokens: int
+    method: str,
+    decoder: SafeDecoder,
+    members: list[Member],
+    context: str,
+    max_new_tokens: int,
+    latencies: list[ForwardLatency] | None = None,
 ) -> Run:
     """One SafeDecoder schedule, with the statistics that explain its time (``*_traced``: with
     every response's trace serialised, as ``trace=true`` writes it)."""
     job = GenerationJob(context, [], max_new_tokens)
     lines: list[str] = []
     on_trace = (lambda _i, record: lines.append(json.dumps(record))) if method.endswith("_traced") else None
+    decoder.cycle_log = []
     results, seconds = timed(lambda: decoder.generate_many([job], 1, on_trace=on_trace), members)
+    cycles, decoder.cycle_log = decoder.cycle_log, None
     text, stats = results[0]
     run = Run(method, -1, -1, stats.generated_tokens, seconds, text=text)
+    if latencies is not None:
+        ordered = [latencies[members.index(m)] for m in (decoder.drafter, *decoder.verifiers)]
+        run.modelled_seconds, run.modelled_overlapped_seconds = modelled_seconds(cycles, ordered)
     run.drafted = stats.drafted_tokens
     run.accepted = stats.accepted_tokens
     run.ensemble_ops = stats.ensemble_ops
@@ -149,6 +166,10 @@ def _run_decoder(
         "sharpened_ops": stats.sharpened_ops,
         "aligned_positions": stats.aligned_positions,
         "decoder_wall_seconds": stats.wall_seconds,
+        "drafter_forwards": stats.drafter_forwards,
+        "verifier_forwards": sum(stats.verifier_forwards.values()),
+        "forward_depth": stats.forward_depth,
+        "forward_depth_overlapped": stats.forward_depth_overlapped,
     }
     return run
 
@@ -159,8 +180,10 @@ def run_method(
     members: list[Member],
     context: str,
     max_new_tokens: int,
+    latencies: list[ForwardLatency] | None = None,
 ) -> Run:
-    """Time one method on one prompt; the decoder for non-SafeDecoder methods gives prompts."""
+    """Time one method on one prompt; the decoder for non-SafeDecoder methods gives prompts.
+    With ``latencies`` (per member, in load order) a decoder run is also priced by the model."""
     cuda = on_cuda(members)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -168,7 +191,7 @@ def run_method(
     if method in ("hf_generate", "floor"):
         run = _run_drafter_alone(method, decoders["_base"], members, context, max_new_tokens)
     else:
-        run = _run_decoder(method, decoders[method], members, context, max_new_tokens)
+        run = _run_decoder(method, decoders[method], members, context, max_new_tokens, latencies)
     run.max_rss_mib = max_rss_mib()
     if cuda:
         run.cuda_peak_mib = torch.cuda.max_memory_allocated() / (1024 * 1024)
@@ -182,6 +205,7 @@ def time_methods(
     prompts: list[str],
     max_new_tokens: int,
     repeats: int,
+    latencies: list[ForwardLatency] | None = None,
 ) -> list[Run]:
     """Every method on every prompt, ``repeats`` times, methods back to back per prompt; a line
     per run on stderr."""
@@ -189,7 +213,7 @@ def time_methods(
     for repeat in range(repeats):
         for p_index, context in enumerate(prompts):
             for method in methods:
-                run = run_method(method, decoders, members, context, max_new_tokens)
+                run = run_method(method, decoders, members, context, max_new_tokens, latencies)
                 run.prompt, run.repeat = p_index, repeat
                 runs.append(run)
                 print(

@@ -38,7 +38,58 @@ PROJECT_RATIOS = [
     ("safe_gac", "every"),
     ("safe_unite_auto", "every"),
     ("safe_gac_auto", "every"),
+    # overlap=on on this machine's cores, measured (auto leaves it off on CPU)
+    ("safe_unite_overlap", "safe_unite"),
+    ("safe_gac_overlap", "safe_gac"),
+    ("safe_unite_overlap", "drafter"),
+    ("safe_gac_overlap", "drafter"),
 ]
+
+# ratios of the latency model (lm_eval_safe.bench.latency_model): decoder methods only
+MODELLED_RATIOS = [
+    ("safe_unite", "drafter"),
+    ("safe_gac", "drafter"),
+    ("safe_unite_auto", "drafter"),
+    ("safe_gac_auto", "drafter"),
+    ("every", "drafter"),
+    ("safe_unite", "every"),
+    ("safe_gac", "every"),
+]
+
+
+def modelled(runs: list[Run], methods: list[str]) -> list[dict[str, Any]]:
+    """Per pair: the modelled per-token time ratio with the verifiers in turn and overlapped
+    (both sides priced alike: the denominator in turn), and each side's forward depth per
+    token (every forward counting one)."""
+
+    def per_token(method: str, key: str) -> float | None:
+        mine = [r for r in runs if r.method == method and getattr(r, key) is not None]
+        tokens = sum(r.tokens for r in mine)
+        return sum(getattr(r, key) for r in mine) / tokens if mine and tokens else None
+
+    def depth(method: str, key: str) -> float | None:
+        mine = [r for r in runs if r.method == method and key in r.extra]
+        tokens = sum(r.tokens for r in mine)
+        return sum(r.extra[key] for r in mine) / tokens if mine and tokens else None
+
+    out = []
+    for num, den in MODELLED_RATIOS:
+        if num not in methods or den not in methods:
+            continue
+        base = per_token(den, "modelled_seconds")
+        turn, over = per_token(num, "modelled_seconds"), per_token(num, "modelled_overlapped_seconds")
+        if not base or turn is None or over is None:
+            continue
+        out.append(
+            {
+                "ratio": f"{num}/{den}",
+                "modelled_in_turn": turn / base,
+                "modelled_overlapped": over / base,
+                "depth_per_token": depth(num, "forward_depth"),
+                "depth_per_token_overlapped": depth(num, "forward_depth_overlapped"),
+            }
+        )
+    return out
 
 
 def summarise(runs: list[Run], methods: list[str]) -> dict[str, dict[str, Any]]:
@@ -168,6 +219,23 @@ def markdown(report: dict[str, Any]) -> str:
             "costs. (SmolLM2-Instruct answers a plain-text prompt with <|im_end|> at once, "
             "and as a verifier it pulls the ensemble to EOS: use --ignore-eos for speed.)",
         ]
+    if report.get("modelled"):
+        lat = report["forward_latency"]
+        lines += [
+            "",
+            "MODEL, not a measurement (lm_eval_safe.bench.latency_model): counted forwards "
+            "priced with per-forward latencies measured here ("
+            + ", ".join(f"{n} {1000 * v['one_row']:.1f} ms / 1 row, {1000 * v['five_rows']:.1f} ms / 5 rows" for n, v in lat.items())
+            + "); overlapped: verifiers on their own devices beside the next draft.",
+            "",
+            "| modelled per-token ratio | verifiers in turn | overlapped | forwards/token in turn | overlapped |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for r in report["modelled"]:
+            lines.append(
+                f"| {r['ratio']} | {fmt(r['modelled_in_turn'])} | {fmt(r['modelled_overlapped'])} | "
+                f"{fmt(r['depth_per_token'])} | {fmt(r['depth_per_token_overlapped'])} |"
+            )
     u = report["union_vocabulary"]
     lines += [
         "",

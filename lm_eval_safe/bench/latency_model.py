@@ -1,0 +1,71 @@
+"""The modelled GPU ratio of ``scripts/bench_speed.py``: each run's counted forwards
+(:mod:`lm_eval_safe.latency`) priced with per-forward latencies measured on this machine.
+
+Inputs, and nothing else: each member's latency of one forward over 1 and over 5 new tokens
+after a cached prompt (rows in between interpolated, beyond extrapolated on the same line).
+The model then adds the forwards that must run one after another, in turn or overlapped. It
+is a model of a latency-bound device, stated as such, not a measurement; on a GPU
+``scripts/check_gpu_placement.py`` measures the real ratio.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lm_eval_safe import kv_cache
+from lm_eval_safe.bench.timing import sync_device
+from lm_eval_safe.forward import forward_logprobs
+from lm_eval_safe.latency import CycleForwards, forward_depth
+from lm_eval_safe.members import Member
+from lm_eval_safe.small_rows import small_row_linears
+
+
+@dataclass
+class ForwardLatency:
+    """One member's measured seconds per forward over 1 and 5 new tokens."""
+
+    one_row: float
+    five_rows: float
+
+    def seconds(self, rows: int) -> float:
+        return max(self.one_row, self.one_row + (rows - 1) * (self.five_rows - self.one_row) / 4)
+
+
+@torch.inference_mode()
+def measure_latency(member: Member, prompt_ids: list[int], repeats: int = 7) -> ForwardLatency:
+    """Median time of a 1-token and a 5-token forward after ``prompt_ids`` (the cache cropped
+    back after each), all rows through the output layer, as a verifier's window needs."""
+    cache = kv_cache.new_cache()
+    with small_row_linears([member]):
+        forward_logprobs(member, prompt_ids, cache, 1)
+        base = len(prompt_ids)
+        times: dict[int, list[float]] = {1: [], 5: []}
+        for repeat in range(repeats + 1):
+            for rows in (1, 5):
+                kv_cache.crop(cache, base)
+                sync_device([member])
+                start = time.perf_counter()
+                forward_logprobs(member, prompt_ids[-rows:], cache, list(range(rows)))
+                sync_device([member])
+                if repeat:  # the first round warms up
+                    times[rows].append(time.perf_counter() - start)
+    return ForwardLatency(statistics.median(times[1]), statistics.median(times[5]))
+
+
+def cost_function(latencies: Sequence[ForwardLatency]) -> Callable[[int, int], float]:
+    """``cost(member, rows)`` for :func:`~lm_eval_safe.latency.forward_depth`: drafter first."""
+    return lambda member, rows: latencies[member].seconds(rows)
+
+
+def modelled_seconds(
+    requests: Sequence[Sequence[CycleForwards]], latencies: Sequence[ForwardLatency]
+) -> tuple[float, float]:
+    """``(in turn, overlapped)`` modelled seconds of the requests' cycles."""
+    cost = cost_function(latencies)
+    depths = [forward_depth(cycles, cost) for cycles in requests]
+    return sum(d[0] for d in depths), sum(d[1] for d in depths)
