@@ -2,10 +2,13 @@
 (:mod:`lm_eval_safe.latency`) priced with per-forward latencies measured on this machine.
 
 Inputs, and nothing else: each member's latency of one forward over 1 and over 5 new tokens
-after a cached prompt (rows in between interpolated, beyond extrapolated on the same line).
-The model then adds the forwards that must run one after another, in turn or overlapped. It
-is a model of a latency-bound device, stated as such, not a measurement; on a GPU
-``scripts/check_gpu_placement.py`` measures the real ratio.
+after a cached prompt (rows in between interpolated). A forward over more rows (a verifier's
+prompt, a long backlog) is priced as one over 5: on a latency-bound device a few hundred
+tokens of a small model cost about what a few do, and a CPU's per-row cost would otherwise
+charge the verifier's prefill as if it were the GPU's. The model then adds the forwards that
+must run one after another, in turn or overlapped. It is a model, stated as such, not a
+measurement; on a GPU ``bench_speed.py --member-devices cuda:0,cuda:1`` with the
+``safe_*_overlap`` methods measures the real ratio.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ class ForwardLatency:
     five_rows: float
 
     def seconds(self, rows: int) -> float:
-        return max(self.one_row, self.one_row + (rows - 1) * (self.five_rows - self.one_row) / 4)
+        rows = min(max(rows, 1), 5)
+        return self.one_row + (rows - 1) * (self.five_rows - self.one_row) / 4
 
 
 @torch.inference_mode()
