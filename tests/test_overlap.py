@@ -110,17 +110,24 @@ def test_depth_model_on_hand_computed_timelines() -> None:
     assert forward_depth([kept, kept], cost) == (10 + 2.5 + 10 + 2.5, 10 + 10 + 2.5)
 
 
-def test_no_verifier_position_fed_twice(tiny_bpe_dir: Path, tiny_sp_dir: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("pair", ["same_tokenizer", "other_tokenizer"])
+def test_no_verifier_position_fed_twice(
+    tiny_bpe_dir: Path, tiny_bpe_perturbed_dir: Path, tiny_sp_dir: Path, pair: str, monkeypatch
+) -> None:
     """A verifier token whose prefix and id are unchanged is never fed again: each feed is
     replayed on a model of the verifier's cache, and a position fed with the same prefix as the
-    cache already held is a recomputed row."""
+    cache already held is a recomputed row. With one tokenizer for both members no token is
+    ever re-merged, so every re-fed position would be a wasted one (the code before fed the
+    previous window's last token again: this test fails on it); with another tokenizer, BPE
+    re-merges at a window's end are the only positions fed again, with a changed prefix."""
+    verifier_dir = tiny_bpe_perturbed_dir if pair == "same_tokenizer" else tiny_sp_dir
     cached: dict[int, list[int]] = {}
     refed = fed = 0
     run = batching.MemberBatch.run
 
     def replayed(self, requests):
         nonlocal refed, fed
-        if self.member.name == tiny_sp_dir.name:
+        if self.member.name == verifier_dir.name:
             for row, call in requests.items():
                 before = cached.get(row, []) if call.keep else []  # keep=0: a new request
                 after = before[: call.keep] + list(call.ids)
@@ -133,7 +140,7 @@ def test_no_verifier_position_fed_twice(tiny_bpe_dir: Path, tiny_sp_dir: Path, m
         return run(self, requests)
 
     monkeypatch.setattr(batching.MemberBatch, "run", replayed)
-    lm = make_lm(tiny_bpe_dir, tiny_sp_dir, dtype="float64", schedule="aligned")
+    lm = make_lm(tiny_bpe_dir, verifier_dir, dtype="float64", schedule="aligned")
     lm.generate_until([gen_request(p, until=[], max_gen_toks=30) for p in random_prompts(3, seed=34)], disable_tqdm=True)
     assert fed > 0 and lm.run_stats.ensemble_ops > 0
     assert refed == 0
