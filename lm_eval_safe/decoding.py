@@ -235,7 +235,6 @@ class SafeDecoder:
         stats.drafted_tokens = state.drafter.drafted
         stats.verifier_positions = sum(v.recomputed for v in state.verifiers)
         stats.drafter_forwards = state.drafter.forwards
-        stats.speculative_dropped = state.drafter.forwards - state.drafter.drafted
         stats.verifier_forwards = {v.member.name: v.forwards for v in state.verifiers}
         stats.forward_depth, stats.forward_depth_overlapped = forward_depth(state.cycles)
         if self.cycle_log is not None:
@@ -256,8 +255,7 @@ class SafeDecoder:
         window (at most ``ahead`` tokens of the budget) while the verifiers run."""
         stats, tokens, drafter = state.stats, draft.tokens, self.drafter
         points, judged = [], len(tokens)
-        speculate = self.overlap and state.sampler is None
-        drafts_ahead = state.drafter if speculate else None
+        drafts_ahead = state.drafter if self.overlap and state.sampler is None else None
         ahead = min(ahead, state.window.size_if_kept()) - len(state.drafter.carried)
         try:
             points, judged = yield from verify_beside_draft(

@@ -7,11 +7,9 @@ generators), so the same state runs alone or as one row of a batch.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from lm_eval_safe.batch_driver import Steps, drive, solo_batch
+from lm_eval_safe.batch_driver import Pending, Steps, drive, solo_batch
 from lm_eval_safe.batching import Forward, MemberBatch
 from lm_eval_safe.members import Member
 from lm_eval_safe.sampling import RowSampler
@@ -73,7 +71,7 @@ class DrafterRun:
                 break
         return tokens, logprobs
 
-    def draft_ahead(self, verified: Any, limit: int) -> Steps:
+    def draft_ahead(self, verified: Pending, limit: int) -> Steps:
         """Draft up to ``limit`` tokens after everything drafted so far while ``verified`` (a
         launched verifier forward) runs, on the assumption that the window it verifies is kept:
         they wait in ``carried`` and the next cycle takes them as it takes carried tokens. A

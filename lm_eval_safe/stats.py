@@ -26,8 +26,7 @@ class GenerationStats:
     prefill_tokens: int = 0  # prompt tokens of every member (generation and scoring contexts)
     prefill_tokens_saved: int = 0  # of those, states taken from the shared-prefix store
     # forwards, the counts a GPU's latency follows (lm_eval_safe.latency)
-    drafter_forwards: int = 0  # every drafter forward, dropped speculative ones included
-    speculative_dropped: int = 0  # overlap: drafter forwards drafted ahead, then rolled back
+    drafter_forwards: int = 0  # every drafter forward, drafted-ahead ones never used included
     verifier_forwards: dict[str, int] = field(default_factory=dict)  # per verifier member
     forward_depth: float = 0.0  # forwards one after another, verifiers after each draft
     forward_depth_overlapped: float = 0.0  # modelled, verifiers beside the next draft
@@ -71,6 +70,8 @@ class GenerationStats:
             if self.generated_tokens
             else 0.0
         )
+        # overlap: forwards drafted ahead that no cycle used (rolled back, or past the stop)
+        data["speculative_dropped"] = self.drafter_forwards - self.drafted_tokens
         for key in ("forward_depth", "forward_depth_overlapped"):
             data[f"{key}_per_token"] = (
                 round(getattr(self, key) / self.generated_tokens, 4) if self.generated_tokens else 0.0

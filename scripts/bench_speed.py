@@ -194,10 +194,11 @@ def main(argv: list[str] | None = None) -> int:
             run_method(method, decoders, members, prompts[0], min(8, args.max_new_tokens))
 
     latencies = None
+    in_decoder_order = [decoders["_base"].drafter, *decoders["_base"].verifiers]
     if not args.no_latency_model:  # before the timed loop, never inside it
-        base_decoder = decoders["_base"]
         latencies = [
-            measure_latency(m, base_decoder.prompt_ids(m, prompts[0], args.max_new_tokens)) for m in members
+            measure_latency(m, decoders["_base"].prompt_ids(m, prompts[0], args.max_new_tokens))
+            for m in in_decoder_order
         ]
     runs = time_methods(
         args.method_list, decoders, members, prompts, args.max_new_tokens, args.repeats, latencies
@@ -228,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         "union_vocabulary": union_times,
         "methods": summarise(runs, args.method_list),
         "ratios": ratios(runs, args.method_list),
-        "forward_latency": {m.name: vars(lat) for m, lat in zip(members, latencies or [], strict=False)},
+        "forward_latency": {
+            m.name: vars(lat) for m, lat in zip(in_decoder_order, latencies or [], strict=False)
+        },
         "modelled": modelled(runs, args.method_list) if latencies else [],
         "current_rss_mib_end": rss_mib(),
         "runs": [

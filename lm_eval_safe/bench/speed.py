@@ -155,8 +155,7 @@ def _run_decoder(
     text, stats = results[0]
     run = Run(method, -1, -1, stats.generated_tokens, seconds, text=text)
     if latencies is not None:
-        ordered = [latencies[members.index(m)] for m in (decoder.drafter, *decoder.verifiers)]
-        run.modelled_seconds, run.modelled_overlapped_seconds = modelled_seconds(cycles, ordered)
+        run.modelled_seconds, run.modelled_overlapped_seconds = modelled_seconds(cycles, latencies)
     run.drafted = stats.drafted_tokens
     run.accepted = stats.accepted_tokens
     run.ensemble_ops = stats.ensemble_ops
@@ -183,7 +182,8 @@ def run_method(
     latencies: list[ForwardLatency] | None = None,
 ) -> Run:
     """Time one method on one prompt; the decoder for non-SafeDecoder methods gives prompts.
-    With ``latencies`` (per member, in load order) a decoder run is also priced by the model."""
+    With ``latencies`` (the drafter's, then each verifier's) a decoder run is also priced by the
+    model."""
     cuda = on_cuda(members)
     if cuda:
         torch.cuda.reset_peak_memory_stats()

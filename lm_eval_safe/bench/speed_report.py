@@ -9,6 +9,7 @@ median (robust to a burst of load) and as total-time / total-tokens.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 from lm_eval_safe.bench.output import fmt
@@ -62,22 +63,18 @@ def modelled(runs: list[Run], methods: list[str]) -> list[dict[str, Any]]:
     (both sides priced alike: the denominator in turn), and each side's forward depth per
     token (every forward counting one)."""
 
-    def per_token(method: str, key: str) -> float | None:
-        mine = [r for r in runs if r.method == method and getattr(r, key) is not None]
-        tokens = sum(r.tokens for r in mine)
-        return sum(getattr(r, key) for r in mine) / tokens if mine and tokens else None
-
-    def depth(method: str, key: str) -> float | None:
-        mine = [r for r in runs if r.method == method and key in r.extra]
-        tokens = sum(r.tokens for r in mine)
-        return sum(r.extra[key] for r in mine) / tokens if mine and tokens else None
+    def per_token(method: str, value: Callable[[Run], float | None]) -> float | None:
+        mine = [(r, value(r)) for r in runs if r.method == method and value(r) is not None]
+        tokens = sum(r.tokens for r, _ in mine)
+        return sum(v for _, v in mine) / tokens if mine and tokens else None
 
     out = []
     for num, den in MODELLED_RATIOS:
         if num not in methods or den not in methods:
             continue
-        base = per_token(den, "modelled_seconds")
-        turn, over = per_token(num, "modelled_seconds"), per_token(num, "modelled_overlapped_seconds")
+        base = per_token(den, lambda r: r.modelled_seconds)
+        turn = per_token(num, lambda r: r.modelled_seconds)
+        over = per_token(num, lambda r: r.modelled_overlapped_seconds)
         if not base or turn is None or over is None:
             continue
         out.append(
@@ -85,8 +82,10 @@ def modelled(runs: list[Run], methods: list[str]) -> list[dict[str, Any]]:
                 "ratio": f"{num}/{den}",
                 "modelled_in_turn": turn / base,
                 "modelled_overlapped": over / base,
-                "depth_per_token": depth(num, "forward_depth"),
-                "depth_per_token_overlapped": depth(num, "forward_depth_overlapped"),
+                "depth_per_token": per_token(num, lambda r: r.extra.get("forward_depth")),
+                "depth_per_token_overlapped": per_token(
+                    num, lambda r: r.extra.get("forward_depth_overlapped")
+                ),
             }
         )
     return out
