@@ -32,9 +32,11 @@ UNION_CACHE_FORMAT = 2
 
 @dataclass
 class View:
-    """One member's next-token distribution at an ensemble point."""
+    """One member's next-token distribution at an ensemble point. The functions here need the
+    full log-softmax; a head only (an engine's ``TopLogprobs``) goes through
+    :mod:`lm_eval_safe.certified` first."""
 
-    logprobs: torch.Tensor  # [len(vocab)] log-softmax over the tokenizer's ids (no padding rows)
+    logprobs: Any  # Row: [len(vocab)] log-softmax over the tokenizer's ids, or a TopLogprobs
     vocab: TokenVocabulary
     tokenizer: Any
     weight: float = 1.0
@@ -198,18 +200,25 @@ def gac(views: list[View], union: UnionVocabulary, sharpen: str, lam: float, top
     return choice
 
 
+def member_token_for(view: View, key: bytes) -> int | None:
+    """The id UniTE reads a member's probability of a string from: its own token for the
+    string, else the first token of its encoding of it (None: it cannot spell the string)."""
+    token_id = view.vocab.lookup.get(key)
+    if token_id is not None:
+        return token_id
+    try:
+        text = key.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    ids = view.vocab.encode_text(view.tokenizer, text)
+    return ids[0] if ids else None
+
+
 def _member_logit_for(view: View, key: bytes) -> float:
     """A member's log-probability of a string: its own token, else its first token of the string."""
-    token_id = view.vocab.lookup.get(key)
+    token_id = member_token_for(view, key)
     if token_id is None:
-        try:
-            text = key.decode("utf-8")
-        except UnicodeDecodeError:
-            return float("-inf")
-        ids = view.vocab.encode_text(view.tokenizer, text)
-        if not ids:
-            return float("-inf")
-        token_id = ids[0]
+        return float("-inf")
     return float(view.logprobs[token_id])
 
 

@@ -1,8 +1,9 @@
 """The batch scheduler: many requests' SAFE loops advanced in lock-step cycles over shared
 member batches.
 
-A request's decoding is a generator (:data:`Steps`): it yields each forward it needs (a
-:class:`~lm_eval_safe.batching.Forward`, answered with the log-prob rows) and
+A request's decoding is a generator (:data:`Steps`): it yields each engine call it needs (a
+:class:`~lm_eval_safe.engines.base.Draft`, :class:`~lm_eval_safe.engines.base.Forward` or
+:class:`~lm_eval_safe.engines.base.Complete`, answered by the member's engine) and
 :data:`CYCLE_END` after each SAFE cycle, where the batch waits for all its rows. The same
 generator runs alone (:func:`drive`) or in a batch (:func:`run_batched`), so the text of a
 request never depends on the batch size.
@@ -15,6 +16,7 @@ the drafter on the calling thread, so a member's cache is only ever touched by o
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,8 +26,11 @@ from typing import Any
 
 import torch
 
-from lm_eval_safe.batching import Forward, MemberBatch
+from lm_eval_safe.engines.base import Call, Complete, Draft, EngineBatch, Forward
 from lm_eval_safe.members import Member
+
+#: Calls a member's engine answers (the rest are the driver's own: Launch, Await, CYCLE_END).
+ENGINE_CALLS = (Draft, Forward, Complete)
 
 CYCLE_END = object()
 Steps = Generator[Any, Any, Any]
@@ -36,7 +41,7 @@ class Launch:
     """Start ``call`` (a verifier's forward) without waiting: answered at once with a
     :class:`Pending` whose ``done()`` says whether its rows are in."""
 
-    call: Forward
+    call: Call
 
 
 class Pending:
@@ -67,7 +72,7 @@ class Row:
     def __init__(self, index: int, steps: Steps):
         self.index = index
         self.steps = steps
-        self.call: Forward | None = None
+        self.call: Any = None
         self.done = False
         self.result: Any = None
         self._started = False
@@ -84,10 +89,21 @@ class Row:
         self.call = None if step is CYCLE_END else step
 
 
-def solo_batch(member: Member) -> MemberBatch:
-    batch = MemberBatch(member)
+def solo_batch(member: Member) -> EngineBatch:
+    batch = member.engine.new_batch()
     batch.add_row()
     return batch
+
+
+def run_calls(member: Member, batch: EngineBatch, calls: dict[int, Call]) -> dict[int, Any]:
+    """One batched engine call, counted and timed in the member's engine counters (engine calls
+    per generated token, and the host time that is not spent inside them, in ``safe_stats``)."""
+    start = time.perf_counter()
+    answers = batch.run(calls)
+    counters = member.engine.counters
+    counters.calls += 1
+    counters.seconds += time.perf_counter() - start
+    return answers
 
 
 def drive(steps: Steps, batches: Any) -> Any:
@@ -116,7 +132,7 @@ def run_batched(
     row accepts or rolls back on its own. A finished row is replaced by the next request at the
     cycle's end (continuous refill). ``threaded``: verifier members run on threads of their own,
     which rows that :class:`Launch` forwards need."""
-    batches = [MemberBatch(m) for m in members]
+    batches = [m.engine.new_batch() for m in members]
     queue = deque(order)
     results: dict[int, Any] = {}
     rows: list[Row] = []
@@ -136,7 +152,7 @@ def run_batched(
             for row in rows:
                 row.advance()
             while any(row.call is not None for row in rows):
-                _serve(rows, batches, threads)
+                _serve(rows, members, batches, threads)
             alive = [r for r, row in enumerate(rows) if not row.done]
             for row in rows:
                 if row.done:
@@ -150,7 +166,10 @@ def run_batched(
 
 
 def _serve(
-    rows: list[Row], batches: list[MemberBatch], threads: list[ThreadPoolExecutor | None]
+    rows: list[Row],
+    members: Sequence[Member],
+    batches: list[EngineBatch],
+    threads: list[ThreadPoolExecutor | None],
 ) -> None:
     """One round of the rows' calls, in the order that keeps every member busy: plain forwards
     the lowest member first (the drafter's are the critical path), but launches before a
@@ -158,16 +177,16 @@ def _serve(
     awaits only when nothing else is asked for. A verifier's plain forward runs on its thread
     too when it has one, after whatever that member has launched."""
     waiting = [(r, row.call) for r, row in enumerate(rows) if row.call is not None]
-    forwards = {r: c for r, c in waiting if isinstance(c, Forward)}
+    forwards = {r: c for r, c in waiting if isinstance(c, ENGINE_CALLS)}
     launches = {r: c.call for r, c in waiting if isinstance(c, Launch)}
     lowest = min((c.member for c in forwards.values()), default=None)
     if lowest is not None and (lowest == 0 or not launches):
         calls = {r: c for r, c in forwards.items() if c.member == lowest}
         thread = threads[lowest]
         if thread is None:
-            answers = batches[lowest].run(calls)
+            answers = run_calls(members[lowest], batches[lowest], calls)
         else:
-            answers = thread.submit(batches[lowest].run, calls).result()
+            answers = thread.submit(run_calls, members[lowest], batches[lowest], calls).result()
         for r, out in answers.items():
             rows[r].advance(out)
         return
@@ -177,7 +196,7 @@ def _serve(
             thread = threads[member]
             if thread is None:
                 raise RuntimeError("a Launch needs run_batched(threaded=True)")
-            future = thread.submit(batches[member].run, calls)
+            future = thread.submit(run_calls, members[member], batches[member], calls)
             for r in calls:
                 rows[r].advance(Pending(future, r))
         return

@@ -19,7 +19,9 @@ from typing import NamedTuple
 
 from lm_eval_safe.batch_driver import CYCLE_END, Steps, run_batched
 from lm_eval_safe.draft_window import DraftWindow
-from lm_eval_safe.ensembling import Ensembler
+from lm_eval_safe.engines import engines_active
+from lm_eval_safe.engines.base import is_full
+from lm_eval_safe.ensembling import Ensembler, complete_views
 from lm_eval_safe.latency import CycleForwards, forward_depth
 from lm_eval_safe.member_runs import DrafterRun, VerifierRun, WindowExhausted, verifier_reserve
 from lm_eval_safe.members import Member
@@ -27,7 +29,6 @@ from lm_eval_safe.options import RequestError, SafeOptions
 from lm_eval_safe.overlap import overlap_enabled, verify_beside_draft
 from lm_eval_safe.sampling import RowSampler, SamplingParams
 from lm_eval_safe.schedules import Draft, DrafterAlone, Schedule, make_schedule
-from lm_eval_safe.small_rows import small_row_linears
 from lm_eval_safe.stats import GenerationStats
 from lm_eval_safe.tracing import TRACE_COUNTS, ResponseTrace
 
@@ -159,11 +160,11 @@ class SafeDecoder:
         back in the original order either way. ``on_trace``, when given, receives each
         request's trace (:mod:`lm_eval_safe.tracing`) as it finishes, before ``on_done``."""
         members = [self.drafter, *self.verifiers]
-        if self.drafter.prefix_store is not None:
+        if self.drafter.engine.shares_prefixes:
             order = sorted(range(len(jobs)), key=lambda i: jobs[i][0])
         else:
             order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][0]))
-        with small_row_linears(members):
+        with engines_active(members):
             results = run_batched(
                 members,
                 order,
@@ -274,13 +275,27 @@ class SafeDecoder:
             # a sampled point's acceptance test, kept for its trace
             traced_sample = state.trace is not None and state.sampler is not None
             test: dict[str, float] | None = {} if traced_sample else None
+            views = point.views
+            heads = not all(is_full(v.logprobs) for v in views)
+            choice = None
             if state.sampler is None:
-                choice = self.ensembler.choose(point.views)
-            else:
-                choice = self.ensembler.sample(point.views, tokens[j], state.sampler, test)
+                choice = self.ensembler.choose(views)
+            if heads:
+                # sampling draws from the whole ensemble distribution and a greedy choice the
+                # heads left open is taken on the full ones; a trace shows the ensemble's top
+                # strings, so it completes certified points too (not counted as full decisions)
+                stats.certified_decisions += int(choice is not None)
+                stats.full_decisions += int(choice is None)
+                if choice is None or state.trace is not None:
+                    views = yield from complete_views(views)
+            if state.sampler is not None:
+                choice = self.ensembler.sample(views, tokens[j], state.sampler, test)
+            elif choice is None:
+                choice = self.ensembler.choose(views)
+            assert choice is not None
             replacement = self.ensembler.to_drafter_ids(choice, tokens[j])
             if state.trace is not None:
-                candidates = self.ensembler.candidates(point.views, state.sampler)
+                candidates = self.ensembler.candidates(views, state.sampler)
                 state.trace.add_point(
                     drafter, state.generated, tokens, j, choice, replacement, candidates, test
                 )

@@ -22,7 +22,9 @@ from lm_eval_safe.aggregate import (
     unite,
     unite_distribution,
 )
+from lm_eval_safe.certified import certified_gac, certified_unite
 from lm_eval_safe.disk_cache import cache_root
+from lm_eval_safe.engines.base import Complete, is_full
 from lm_eval_safe.members import Member
 from lm_eval_safe.options import SafeOptions
 from lm_eval_safe.sampling import RowSampler
@@ -31,6 +33,18 @@ from lm_eval_safe.vocabulary import EOS_KEY
 
 # How a string becomes drafter ids (see Ensembler._route).
 _EOS, _TOKEN, _ENCODE, _FALLBACK = "eos", "token", "encode", "fallback"
+
+
+def complete_views(views: list[View]) -> Any:
+    """Steps returning ``views`` with every engine head replaced by its full distribution (one
+    :class:`~lm_eval_safe.engines.base.Complete` call per member that answered with a head).
+    Views are in member-slot order (the drafter first), as every schedule builds them."""
+    completed = list(views)
+    for slot, view in enumerate(views):
+        if not is_full(view.logprobs):
+            (full,) = yield Complete(slot, [view.logprobs])
+            completed[slot] = View(full, view.vocab, view.tokenizer, view.weight)
+    return completed
 
 
 class Ensembler:
@@ -51,12 +65,17 @@ class Ensembler:
         return self._union
 
     # -- greedy -----------------------------------------------------------------------------
-    def choose(self, views: list[View]) -> Choice:
-        """The aggregate's argmax string (sharpened when mass is smeared over variants)."""
+    def choose(self, views: list[View]) -> Choice | None:
+        """The aggregate's argmax string (sharpened when mass is smeared over variants). From
+        engine heads (:mod:`lm_eval_safe.certified`): the same string, or None where the heads
+        do not settle it (the caller then completes the views)."""
         o = self.options
+        full = all(is_full(v.logprobs) for v in views)
         if o.aggregator == "gac":
-            return gac(views, self.union, o.sharpen, o.sharpen_lambda, o.top_k)
-        return unite(views, o.sharpen, o.sharpen_lambda, o.top_k)
+            decide = gac if full else certified_gac
+            return decide(views, self.union, o.sharpen, o.sharpen_lambda, o.top_k)
+        decide_unite = unite if full else certified_unite
+        return decide_unite(views, o.sharpen, o.sharpen_lambda, o.top_k)
 
     # -- sampled ----------------------------------------------------------------------------
     def sample(
@@ -83,9 +102,10 @@ class Ensembler:
         else:
             # unite's strings, then one slot for every other string (P_ens is 0 there)
             target = unite_distribution(warped, o.sharpen, o.sharpen_lambda, o.top_k)
-            ids_of = self._drafter_ids_by_key
+            ids_of = self.drafter.vocab.ids_of  # several ids may spell one string: P_draft sums them
             draft = torch.tensor(
-                [float(drafter_probs[ids_of.get(key, [])].sum()) for key in target.keys] + [0.0],
+                [float(drafter_probs[list(ids_of.get(key, ()))].sum()) for key in target.keys]
+                + [0.0],
                 dtype=torch.float64,
             )
             draft[-1] = max(0.0, 1.0 - float(draft.sum()))
@@ -116,14 +136,6 @@ class Ensembler:
         else:
             target = unite_distribution(views, o.sharpen, o.sharpen_lambda, o.top_k)
         return members, top_candidates(target.keys, target.probs)
-
-    @cached_property
-    def _drafter_ids_by_key(self) -> dict[bytes, list[int]]:
-        """Every drafter id of each string (several ids may spell one string: P_draft sums them)."""
-        ids: dict[bytes, list[int]] = {}
-        for token_id, key in enumerate(self.drafter.vocab.keys):
-            ids.setdefault(key, []).append(token_id)
-        return ids
 
     @cached_property
     def _union_sayable(self) -> torch.Tensor:

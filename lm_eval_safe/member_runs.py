@@ -1,16 +1,15 @@
 """Each member's decoding state for one request: the drafter's tokens and KV-cache length, and a
 verifier's tokenization of the text with its reusable cache (SAFE_SPEC §3 steps 1-2, §6).
 
-Both speak only in :class:`~lm_eval_safe.batching.Forward` requests (yielded from their step
-generators), so the same state runs alone or as one row of a batch.
+Both speak only in engine calls (:class:`~lm_eval_safe.engines.base.Draft`,
+:class:`~lm_eval_safe.engines.base.Forward`, yielded from their step generators), so the same
+state runs alone or as one row of a batch, on any engine.
 """
 
 from __future__ import annotations
 
-import torch
-
 from lm_eval_safe.batch_driver import Pending, Steps, drive, solo_batch
-from lm_eval_safe.batching import Forward, MemberBatch
+from lm_eval_safe.engines.base import Draft, EngineBatch, Forward, Row
 from lm_eval_safe.members import Member
 from lm_eval_safe.sampling import RowSampler
 from lm_eval_safe.vocabulary import boundary_index
@@ -52,24 +51,19 @@ class DrafterRun:
         self.pending = list(prompt_ids)
         self.drafted = 0  # drafter forwards that produced a token (carried tokens count once)
         self.forwards = 0  # every forward, speculative ones that were rolled back included
-        # (token, log-probs, drafted ahead): tokens waiting for a later cycle
-        self.carried: list[tuple[int, torch.Tensor, bool]] = []
+        # (token, distribution, drafted ahead): tokens waiting for a later cycle
+        self.carried: list[tuple[int, Row, bool]] = []
 
     def draft(self, n: int) -> Steps:
         taken, self.carried = self.carried[:n], self.carried[n:]
         tokens = [token for token, _, _ in taken]
         logprobs = [row for _, row, _ in taken]
         self.drafted += sum(ahead for _, _, ahead in taken)  # a speculative draft, now used
-        if tokens and tokens[-1] in self.member.eos_ids:
+        if (tokens and tokens[-1] in self.member.eos_ids) or len(tokens) >= n:
             return tokens, logprobs
-        while len(tokens) < n:
-            token, row = yield from self._next_token()
-            self.drafted += 1
-            tokens.append(token)
-            logprobs.append(row)
-            if token in self.member.eos_ids:
-                break
-        return tokens, logprobs
+        drafted = yield from self._draft(n - len(tokens))
+        self.drafted += len(drafted.tokens)
+        return tokens + drafted.tokens, logprobs + drafted.rows
 
     def draft_ahead(self, verified: Pending, limit: int) -> Steps:
         """Draft up to ``limit`` tokens after everything drafted so far while ``verified`` (a
@@ -80,21 +74,22 @@ class DrafterRun:
         last = self.pending[-1]  # the last token drafted (or chosen), fed next
         drafted = 0
         while drafted < limit and not verified.done() and last not in self.member.eos_ids:
-            last, row = yield from self._next_token()
+            ahead = yield from self._draft(1)
+            last, row = ahead.tokens[0], ahead.rows[0]
             self.carried.append((last, row, True))
             drafted += 1
 
-    def _next_token(self) -> Steps:
-        fed = self.pending
-        rows = yield Forward(self.slot, self.cached, fed, [len(fed) - 1])
-        self.cached += len(fed)
-        self.forwards += 1
-        row = rows[0]
-        token = int(torch.argmax(row)) if self.sampler is None else self.sampler.sample(row)
-        self.pending = [token]
-        return token, row
+    def _draft(self, n: int) -> Steps:
+        """One engine call: feed what is pending and draft up to ``n`` tokens (after an EOS
+        none). Every drafted token but the last is in the engine's sequence afterwards; the
+        last is fed by the next call."""
+        drafted = yield Draft(self.slot, self.cached, self.pending, n, self.member.eos_ids, self.sampler)
+        self.cached += len(self.pending) + len(drafted.tokens) - 1
+        self.forwards += len(drafted.tokens)
+        self.pending = [drafted.tokens[-1]]
+        return drafted
 
-    def carry(self, tokens: list[int], logprobs: list[torch.Tensor]) -> None:
+    def carry(self, tokens: list[int], logprobs: list[Row]) -> None:
         """Keep drafted tokens that follow an accepted ensemble point for the next cycle."""
         kept = [(token, row, False) for token, row in zip(tokens, logprobs, strict=True)]
         self.carried = kept + self.carried
@@ -129,10 +124,10 @@ class VerifierRun:
         self.reuse_cache = reuse_cache
         self.gen_ids: list[int] = []  # this verifier's ids of the text last synced
         self.fed = 0  # of those, how many are in the cache (after the prompt)
-        self.pred: dict[int, torch.Tensor] = {}
+        self.pred: dict[int, Row] = {}
         self.recomputed = 0
         self.forwards = 0
-        self._solo: dict[int, MemberBatch] | None = None
+        self._solo: dict[int, EngineBatch] | None = None
 
     def sync(
         self, text: str, text_bytes: bytes, want_offsets: set[int] | None = None

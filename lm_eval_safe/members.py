@@ -14,6 +14,8 @@ import logging
 import os
 import struct
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from importlib.util import find_spec
@@ -69,10 +71,10 @@ def resolve_source(spec: str, configured_cache: str | None = None) -> MemberSour
     )
 
 
-def content_identity(source: MemberSource, model: Any = None) -> dict[str, Any]:
+def content_identity(source: MemberSource, config: Any = None) -> dict[str, Any]:
     """Identity of a member's weights without hashing gigabytes: an alias's pinned sha256; a
     file's name, size and mtime; a folder's file names, sizes and mtimes; a hub id's resolved
-    commit (from the loaded ``model``'s config, when transformers recorded it)."""
+    commit (from the loaded ``config``, when transformers recorded it)."""
     alias = ALIASES.get(source.spec.strip().lower())
     if alias is not None:
         return {"alias": source.name, "sha256": alias.sha256}
@@ -86,7 +88,7 @@ def content_identity(source: MemberSource, model: Any = None) -> dict[str, Any]:
         )
         digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()[:20]
         return {"folder": path.name, "files": digest}
-    revision = None if model is None else model.config._commit_hash
+    revision = None if config is None else config._commit_hash
     return {"hub": source.spec, "revision": revision}
 
 
@@ -95,7 +97,7 @@ def pick_device(requested: str | None) -> str:
 
     A device the machine lacks is an :class:`OptionError`, not a warning and a run on cpu: a
     GPU run that silently falls back takes hours and reports CPU speeds as the ensemble's."""
-    from lm_eval_safe.placement import resolve_device, visible_hardware
+    from lm_eval_safe.engines.hf.placement import resolve_device, visible_hardware
 
     cuda_count, mps = visible_hardware()
     return resolve_device(requested, cuda_count=cuda_count, mps_available=mps)
@@ -113,8 +115,10 @@ def pick_dtype(dtype: str, device: str) -> Any:
 #: entries of another layout (or another version of this package sharing the cache) are never
 #: read as this one's. 2: manifest.json with checksums (lm_eval_safe.disk_cache); 4: the
 #: safetensors metadata says its format and tied weights are stored under the input
-#: embedding's name (transformers 4.57 refuses or half-loads the file otherwise).
-CONVERTED_FORMAT = 4
+#: embedding's name (transformers 4.57 refuses or half-loads the file otherwise); 5: config.json
+#: names the model class in ``architectures`` (vLLM picks its implementation from it, and without
+#: it loads Gemma-3 as an embedding model).
+CONVERTED_FORMAT = 5
 
 
 def _converted_folder(source: MemberSource, dtype_name: str, root: Path) -> Path:
@@ -158,7 +162,7 @@ def _load_gguf(source: MemberSource, dtype: Any, trust_remote_code: bool) -> tup
     gguf = Path(source.location)
     start = time.perf_counter()
     try:
-        model, tokenizer = _load_pretrained(
+        model, tokenizer = load_pretrained(
             str(gguf.parent), dtype, trust_remote_code, gguf_file=gguf.name
         )
     except (ValueError, OSError, KeyError, IndexError, EOFError, struct.error) as exc:
@@ -171,9 +175,10 @@ def _load_gguf(source: MemberSource, dtype: Any, trust_remote_code: bool) -> tup
     return model, tokenizer
 
 
-def _load_pretrained(
+def load_pretrained(
     location: str, dtype: Any, trust_remote_code: bool, device_map: str | None = None, **kwargs: Any
 ) -> tuple[Any, Any]:
+    """transformers' model and tokenizer of a checkpoint (also how a GGUF is de-quantized)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(
@@ -196,6 +201,9 @@ def _save_dequantized(model: Any, tokenizer: Any, folder: Path) -> None:
     config = model.config
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
+    # a model de-quantized from GGUF has no architectures; engines other than transformers (vLLM)
+    # choose their model implementation from it
+    config.architectures = [type(model).__name__]
     config.save_pretrained(folder)
     if model.generation_config is not None:
         model.generation_config.save_pretrained(folder)
@@ -226,39 +234,38 @@ def _save_weights(model: Any, path: Path) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-def load_weights(
-    source: MemberSource,
-    dtype: Any,
-    trust_remote_code: bool,
-    cache_dir: str | None,
-    device_map: str | None = None,
-) -> tuple[Any, Any]:
-    """Model and tokenizer of a source; GGUF goes through the safetensors cache.
+def checkpoint_folder(
+    source: MemberSource, dtype: Any, trust_remote_code: bool, cache_dir: str | None
+) -> str:
+    """Where an engine loads the member from: a GGUF's converted folder (written once, on
+    first use), else the folder or hub id itself. Every engine loads GGUF members from the
+    converted folder: transformers then reads it as any checkpoint, and vLLM has no GGUF loader
+    for these architectures."""
+    if source.kind != "gguf":
+        return source.location
+    if find_spec("gguf") is None:
+        raise OptionError(
+            f"member {source.spec!r} is a GGUF file: install the gguf package (pip install gguf)"
+        )
+    dtype_name = str(dtype).replace("torch.", "")
+    folder = _converted_folder(source, dtype_name, cache_root(cache_dir))
 
-    With ``device_map`` (``"auto"``: accelerate spreads the layers over the GPUs) the model is
-    loaded straight onto its devices; a GGUF is first de-quantized on cpu into the cache and
-    then loaded from there (always: the cache is the one way a GGUF member is loaded), so a
-    member too large for one GPU never has to fit on one."""
-    if source.kind == "gguf":
-        if find_spec("gguf") is None:
-            raise OptionError(
-                f"member {source.spec!r} is a GGUF file: install the gguf package (pip install gguf)"
-            )
-        dtype_name = str(dtype).replace("torch.", "")
-        folder = _converted_folder(source, dtype_name, cache_root(cache_dir))
+    def convert(tmp: Path) -> None:
+        model, tokenizer = _load_gguf(source, dtype, trust_remote_code)
+        logger.info("caching the de-quantized weights of %s in %s", source.name, folder)
+        _save_dequantized(model, tokenizer, tmp)
+        (tmp / "complete.json").write_text(json.dumps(source.describe()))
 
-        def convert(tmp: Path) -> None:
-            model, tokenizer = _load_gguf(source, dtype, trust_remote_code)
-            logger.info("caching the de-quantized weights of %s in %s", source.name, folder)
-            _save_dequantized(model, tokenizer, tmp)
-            (tmp / "complete.json").write_text(json.dumps(source.describe()))
+    cached_folder(folder, convert, f"converted weights of member {source.name!r}")
+    return str(folder)
 
-        # the first run loads the cache it just wrote, as every later run does: one code path,
-        # the same model object (its name_or_path is the folder, which lm-eval's hf can load)
-        cached_folder(folder, convert, f"converted weights of member {source.name!r}")
-        return _load_pretrained(str(folder), dtype, trust_remote_code, device_map)
+
+@contextmanager
+def loading_errors(source: MemberSource) -> Iterator[None]:
+    """A checkpoint that cannot be read fails in one line naming the member (offline hub ids
+    say what to do)."""
     try:
-        return _load_pretrained(source.location, dtype, trust_remote_code, device_map)
+        yield
     except OSError as exc:
         if source.kind == "hub" and os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
             raise OptionError(
@@ -272,38 +279,29 @@ def load_weights(
 
 @dataclass
 class Member:
-    """One loaded causal LM with its own tokenizer, device and context window.
+    """One causal LM with its own tokenizer and context window, whatever engine computes it.
 
-    ``device`` is where the member was asked to go; with ``device_map="auto"`` its layers span
-    several GPUs, so code that feeds the model puts input ids on :attr:`input_device`."""
+    Everything the decoder and the scorer need of a member's *text* (its tokenizer, stop ids,
+    chat template, how lm-eval encodes for it) lives here and reads only the checkpoint's
+    config files; its forwards are its :attr:`engine`'s (:mod:`lm_eval_safe.engines`)."""
 
     source: MemberSource
-    model: Any
     tokenizer: Any
+    config: Any  # transformers PretrainedConfig of the checkpoint
+    generation_config: Any  # its GenerationConfig (stop ids), or None
+    engine: Any  # MemberEngine
     device: str
     dtype: Any
     max_length: int
     add_bos_token: bool | None = None
     index: int = 0
-    device_map: str | None = None
-    small_rows: Any = None  # SmallRowLinears: faster linears over few rows on this CPU
-    prefix_store: Any = None  # PrefixStore: KV states of prompt prefixes shared across requests
+
+    def __post_init__(self) -> None:
+        self.engine.bind(self)
 
     @property
     def name(self) -> str:
         return self.source.name
-
-    @cached_property
-    def input_device(self) -> Any:
-        """The torch device of the input embedding layer: where input ids must go.
-
-        Equal to ``device`` for a member on one device; the first GPU of a member spread by
-        ``device_map``. Cached: it is read once per forward pass and weights never move."""
-        return self.model.get_input_embeddings().weight.device
-
-    def parameter_devices(self) -> list[str]:
-        """Every device holding some of the member's weights, sorted (one unless device_map)."""
-        return sorted({str(p.device) for p in self.model.parameters()})
 
     @cached_property
     def vocab(self) -> Any:
@@ -315,10 +313,8 @@ class Member:
     @cached_property
     def eos_ids(self) -> frozenset[int]:
         ids = set()
-        for candidate in (
-            self.tokenizer.eos_token_id,
-            self.model.generation_config.eos_token_id,
-        ):
+        generation_eos = None if self.generation_config is None else self.generation_config.eos_token_id
+        for candidate in (self.tokenizer.eos_token_id, generation_eos):
             if isinstance(candidate, int):
                 ids.add(candidate)
             elif isinstance(candidate, (list, tuple)):
@@ -342,7 +338,7 @@ class Member:
         if add_special_tokens is None:
             add_special_tokens = self.add_bos_token
             if add_special_tokens is None:
-                add_special_tokens = default_add_special_tokens(self.model.config.model_type)
+                add_special_tokens = default_add_special_tokens(self.config.model_type)
             bos = self.tokenizer.bos_token
             if bos and text.startswith(bos):
                 add_special_tokens = False
@@ -370,32 +366,34 @@ class Member:
 
     def identity(self) -> dict[str, Any]:
         """What this member's outputs depend on, cheap to compute: the weights' content identity
-        (:func:`content_identity`) and the dtype they were loaded in."""
-        return {**content_identity(self.source, self.model), "dtype": str(self.dtype)}
+        (:func:`content_identity`), the dtype they were loaded in, and what the engine adds (the
+        transformers engine nothing, so its ``--use_cache`` tables stay those of earlier
+        versions)."""
+        return {
+            **content_identity(self.source, self.config),
+            "dtype": str(self.dtype),
+            **self.engine.identity(),
+        }
 
     def describe(self) -> dict[str, Any]:
         return {
             **self.source.describe(),
             "dtype": str(self.dtype).replace("torch.", ""),
             "device": self.device,
-            **(
-                {"device_map": self.device_map, "devices": self.parameter_devices()}
-                if self.device_map
-                else {}
-            ),
+            **self.engine.describe(),
             "max_length": self.max_length,
             "vocab_size": len(self.tokenizer),
-            "model_type": self.model.config.model_type,
+            "model_type": self.config.model_type,
         }
 
 
-def _max_length(model: Any, tokenizer: Any, override: int | None) -> int:
-    from lm_eval_safe.kv_cache import config_field  # torch and transformers only when loading
-
+def config_max_length(config: Any, tokenizer: Any, override: int | None) -> int:
+    """The context window: ``max_length=`` if given, else the config's, else the tokenizer's."""
     if override:
         return int(override)
+    fields = config.get_text_config().to_dict()  # read as data: not every config has each field
     for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
-        value = config_field(model, attr)
+        value = fields.get(attr)
         if isinstance(value, int) and value > 0:
             return value
     model_max = tokenizer.model_max_length
@@ -404,47 +402,14 @@ def _max_length(model: Any, tokenizer: Any, override: int | None) -> int:
     return 2048
 
 
-def load_member(
-    spec: str,
-    *,
-    index: int = 0,
-    device: str | None = None,
-    dtype: str = "auto",
-    trust_remote_code: bool = False,
-    cache_dir: str | None = None,
-    max_length: int | None = None,
-    add_bos_token: bool | None = None,
-    device_map: str | None = None,
-    fast_small_linear: str = "auto",
-    prefix_cache_mb: float = 256,
-) -> Member:
-    """Load one member onto ``device`` (checked: a device this machine lacks is an error), or
-    with ``device_map="auto"`` spread by accelerate over the GPUs (``device`` then only picks
-    the dtype: bfloat16 for ``cuda`` under ``dtype=auto``)."""
-    source = resolve_source(spec, cache_dir)
-    device = pick_device(device)
-    torch_dtype = pick_dtype(dtype, device)
-    model, tokenizer = load_weights(source, torch_dtype, trust_remote_code, cache_dir, device_map)
-    if device_map is None:
-        model.to(device)  # a dispatched model must not be moved: accelerate's hooks own it
-    model.eval()
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    from lm_eval_safe.prefix_cache import PrefixStore
-    from lm_eval_safe.small_rows import SmallRowLinears
+def load_member(spec: str, *, engine: str = "hf", **settings: Any) -> Member:
+    """Load one member on ``engine`` (``hf``: transformers in this process; ``vllm``: a vLLM
+    engine); ``settings`` are that engine's loader's (:func:`lm_eval_safe.engines.hf.loading.
+    load_hf_member`, :func:`lm_eval_safe.engines.vllm.loading.load_vllm_member`)."""
+    if engine == "vllm":
+        from lm_eval_safe.engines.vllm.loading import load_vllm_member
 
-    small_rows = SmallRowLinears(model, fast_small_linear, cache_root(cache_dir), source.name)
-    store = PrefixStore(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None
-    return Member(
-        source=source,
-        model=model,
-        tokenizer=tokenizer,
-        device=device,
-        dtype=torch_dtype,
-        max_length=_max_length(model, tokenizer, max_length),
-        add_bos_token=add_bos_token,
-        index=index,
-        device_map=device_map,
-        small_rows=small_rows,
-        prefix_store=store,
-    )
+        return load_vllm_member(spec, **settings)
+    from lm_eval_safe.engines.hf.loading import load_hf_member
+
+    return load_hf_member(spec, **settings)

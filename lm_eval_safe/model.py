@@ -13,9 +13,14 @@ from lm_eval.api.model import LM
 from tqdm import tqdm
 
 from lm_eval_safe import __version__
-from lm_eval_safe.batching import generation_batch_size
 from lm_eval_safe.decoding import SafeDecoder
 from lm_eval_safe.distributed import AcceleratorView, ProcessGroup
+from lm_eval_safe.engines import generation_rows
+from lm_eval_safe.engines.hf.placement import (
+    LM_EVAL_CLI_DEFAULT_DEVICE,
+    plan_placement,
+    visible_hardware,
+)
 from lm_eval_safe.generation_requests import EmptyResponses, JobBuilder, request_label
 from lm_eval_safe.loglikelihood import score_loglikelihood, score_rolling
 from lm_eval_safe.members import CHAT_MARKER, Member, check_gguf_file, load_member, resolve_source
@@ -26,7 +31,6 @@ from lm_eval_safe.options import (
     parse_options,
     resolve_drafter_index,
 )
-from lm_eval_safe.placement import LM_EVAL_CLI_DEFAULT_DEVICE, plan_placement, visible_hardware
 from lm_eval_safe.stats import GenerationStats
 from lm_eval_safe.tracing import TraceWriter, new_stamp, repeat_indices
 from lm_eval_safe.use_cache import cache_identity, cache_namespace, use_cache_table
@@ -103,15 +107,13 @@ class SafeEnsembleLM(LM):
             )
 
     def _count_prefill(self) -> None:
-        """Move the prefix stores' prompt-token counters (since the last call) into run_stats."""
+        """Move the engines' prompt-token counters (since the last call) into run_stats."""
         for i, member in enumerate(self.members):
-            store = member.prefix_store
-            if store is None:
-                continue
+            looked_now, reused_now = member.engine.prefill_counts()
             looked, reused = self._prefill_counted[i]
-            self.run_stats.prefill_tokens += store.looked_up_tokens - looked
-            self.run_stats.prefill_tokens_saved += store.reused_tokens - reused
-            self._prefill_counted[i] = (store.looked_up_tokens, store.reused_tokens)
+            self.run_stats.prefill_tokens += looked_now - looked
+            self.run_stats.prefill_tokens_saved += reused_now - reused
+            self._prefill_counted[i] = (looked_now, reused_now)
 
     # -- data parallel (lm-eval shards documents by rank) ------------------------------------
     @property
@@ -251,7 +253,7 @@ class SafeEnsembleLM(LM):
         labels = [request_label(request, i) for i, request in enumerate(requests)]
         jobs = self.jobs.build(requests, labels)
         self.decoder.preflight(jobs, labels)
-        batch_size = generation_batch_size(self.options, self.members, jobs)
+        batch_size = generation_rows(self.options, self.members, jobs)
         progress = tqdm(
             total=len(jobs),
             disable=disable_tqdm or self.rank != 0,

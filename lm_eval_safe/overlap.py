@@ -17,19 +17,25 @@ verifier's thread beside the drafter's measured slower than running them in turn
 from __future__ import annotations
 
 from lm_eval_safe.batch_driver import Await, Launch, Steps
-from lm_eval_safe.batching import Forward
+from lm_eval_safe.engines.base import Forward
 from lm_eval_safe.latency import CycleForwards
 from lm_eval_safe.member_runs import DrafterRun
 from lm_eval_safe.members import Member
 
 
 def overlap_enabled(mode: str, drafter: Member, verifiers: list[Member]) -> bool:
-    """``on``/``off`` as given; ``auto``: every verifier on a GPU other than the drafter's."""
+    """``on``/``off`` as given; ``auto``: every verifier on a GPU other than the drafter's.
+
+    Transformers members only: a vLLM engine overlaps its own work (continuous batching in its
+    engine core), and ``overlap=on`` with a vLLM member is refused when the options are checked."""
     if mode != "auto":
         return mode == "on"
-    drafter_device = drafter.input_device
+    if any(m.engine.kind != "hf" for m in (drafter, *verifiers)):
+        return False
+    drafter_device = drafter.engine.input_device
     return bool(verifiers) and all(
-        v.input_device.type == "cuda" and v.input_device != drafter_device for v in verifiers
+        v.engine.input_device.type == "cuda" and v.engine.input_device != drafter_device
+        for v in verifiers
     )
 
 

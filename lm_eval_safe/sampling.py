@@ -279,6 +279,13 @@ class RowSampler:
         """A token drawn from the request's warped distribution."""
         return sample_index(self.warp(logprobs).exp(), self.generator)
 
+    def stream_seed(self) -> int:
+        """A seed for an engine that draws the request's tokens itself (vLLM), taken from the
+        request's own stream: the same seed gives the same seeds in the same order, and no two
+        windows of a request share one (vLLM restarts a request's stream when it is
+        re-submitted, so a fixed seed would repeat the same draws in every window)."""
+        return int(torch.randint(0, 2**62, (1,), generator=self.generator))
+
     def keep_or_resample(
         self, target: torch.Tensor, draft: torch.Tensor, drafted: int, test: dict[str, float] | None = None
     ) -> int:

@@ -22,11 +22,18 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from lm_eval_safe.aggregate import View
 from lm_eval_safe.batch_driver import Steps
+from lm_eval_safe.certified import Interval, certified_consensus
 from lm_eval_safe.draft_window import DraftWindow
+from lm_eval_safe.engines.base import (
+    Row,
+    is_full,
+    row_argmax,
+    row_max_probability,
+    row_probability_bounds,
+)
+from lm_eval_safe.ensembling import complete_views
 from lm_eval_safe.member_runs import VerifierRun
 from lm_eval_safe.members import Member
 from lm_eval_safe.options import SafeOptions
@@ -57,7 +64,7 @@ class Draft:
 
     committed: bytes
     tokens: list[int]
-    logprobs: list[torch.Tensor]
+    logprobs: list[Row]  # full log-softmax tensors, or an engine's heads (TopLogprobs)
 
 
 @dataclass
@@ -86,14 +93,14 @@ class Schedule(ABC):
         """Steps returning ``(points, judged)``: the ensemble points in order and how many
         drafted positions that settles (later ones wait for the next cycle)."""
 
-    def _drafter_view(self, row: torch.Tensor) -> View:
+    def _drafter_view(self, row: Row) -> View:
         return View(row, self.drafter.vocab, self.drafter.tokenizer, self.weights[0])
 
     def _views_at_end(
         self,
         verifiers: list[VerifierRun],
         text_bytes: bytes,
-        drafter_row: torch.Tensor,
+        drafter_row: Row,
         stats: GenerationStats,
     ) -> Steps:
         """Views after each verifier's full tokenization of the text (OOV-like where misaligned:
@@ -150,7 +157,7 @@ class Threshold(Schedule):
         self, draft: Draft, verifiers: list[VerifierRun], stats: GenerationStats, sampled: bool
     ) -> Steps:
         for j, row in enumerate(draft.logprobs):
-            if float(row.max().exp()) < self.threshold:
+            if row_max_probability(row) < self.threshold:
                 prefix = draft.committed + self.drafter.vocab.spell(draft.tokens[:j])
                 views = yield from self._views_at_end(verifiers, prefix, row, stats)
                 return [EnsemblePoint(j, views)], j + 1
@@ -182,7 +189,7 @@ class Aligned(Schedule):
         for j, token in enumerate(draft.tokens):
             here = offset
             offset += len(vocab.text_bytes[token])
-            if self.gac_gate and float(draft.logprobs[j].max().exp()) >= GAC_GATE:
+            if self.gac_gate and row_max_probability(draft.logprobs[j]) >= GAC_GATE:
                 # a confident drafter is never ensembled (its largest probability: the drafted
                 # token's own when greedy; never the token drawn)
                 continue
@@ -217,9 +224,17 @@ class Aligned(Schedule):
                 View(verifier.pred[i], verifier.member.vocab, verifier.member.tokenizer, w)
                 for (verifier, _, _), (i, _), w in zip(synced, indices, self.weights[1:], strict=True)
             ]
-            if self.skips_on_consensus and not sampled and self._agree(views, token, indices):
-                stats.consensus_skips += 1
-                continue
+            if self.skips_on_consensus and not sampled:
+                agree = self._agree(views, token, indices)
+                if agree is None:  # heads that cannot settle rule (b): the full distributions
+                    stats.full_decisions += 1
+                    views = yield from complete_views(views)
+                    agree = self._agree(views, token, indices)
+                elif not all(is_full(v.logprobs) for v in views):
+                    stats.certified_decisions += 1
+                if agree:
+                    stats.consensus_skips += 1
+                    continue
             points.append(EnsemblePoint(j, views))
             if not sampled:
                 return points, j + 1
@@ -243,14 +258,22 @@ class Aligned(Schedule):
         return indices
 
     @staticmethod
-    def _agree(views: list[View], token: int, indices: list[tuple[int, int | None]]) -> bool:
+    def _agree(views: list[View], token: int, indices: list[tuple[int, int | None]]) -> bool | None:
+        """SAFE's consensus rule at a point; None when engine heads leave rule (b) open."""
         owns = [own for _, own in indices]
-        return consensus(
-            [int(torch.argmax(v.logprobs)) == own for v, own in zip(views[1:], owns, strict=True)],
-            [float(views[0].logprobs[token].exp())]
-            + [float(v.logprobs[own].exp()) for v, own in zip(views[1:], owns, strict=True)],
-            [v.weight for v in views],
-        )
+        argmax_is_own = [row_argmax(v.logprobs) == own for v, own in zip(views[1:], owns, strict=True)]
+        weights = [v.weight for v in views]
+        if all(is_full(v.logprobs) for v in views):
+            return consensus(
+                argmax_is_own,
+                [float(views[0].logprobs[token].exp())]
+                + [float(v.logprobs[own].exp()) for v, own in zip(views[1:], owns, strict=True)],
+                weights,
+            )
+        bounds = [row_probability_bounds(views[0].logprobs, token)] + [
+            row_probability_bounds(v.logprobs, own) for v, own in zip(views[1:], owns, strict=True)
+        ]
+        return certified_consensus(argmax_is_own, [Interval(*b) for b in bounds], weights)
 
 
 class Safe(Aligned):

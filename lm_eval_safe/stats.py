@@ -25,6 +25,10 @@ class GenerationStats:
     sampled_requests: int = 0  # requests decoded by sampling (the rest are greedy)
     prefill_tokens: int = 0  # prompt tokens of every member (generation and scoring contexts)
     prefill_tokens_saved: int = 0  # of those, states taken from the shared-prefix store
+    # engines answering with heads (top-K log-probs: vLLM): decisions settled from the heads
+    # alone, and those that asked for the full distributions (lm_eval_safe.certified)
+    certified_decisions: int = 0
+    full_decisions: int = 0
     # forwards, the counts a GPU's latency follows (lm_eval_safe.latency)
     drafter_forwards: int = 0  # every drafter forward, drafted-ahead ones never used included
     verifier_forwards: dict[str, int] = field(default_factory=dict)  # per verifier member

@@ -13,7 +13,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 EOS_KEY = b"\x00<eos>"
@@ -122,6 +122,18 @@ class TokenVocabulary:
         return cls(
             text_bytes, keys, frozenset(special), frozenset(eos), adds_prefix_space, lookup, digest
         )
+
+    @cached_property
+    def ids_of(self) -> dict[bytes, tuple[int, ...]]:
+        """Every id of each string (GaC's union map sums a member's ids spelling one string)."""
+        ids: dict[bytes, list[int]] = {}
+        for token_id, key in enumerate(self.keys):
+            ids.setdefault(key, []).append(token_id)
+        return {key: tuple(found) for key, found in ids.items()}
+
+    @cached_property
+    def most_ids_per_key(self) -> int:
+        return max((len(v) for v in self.ids_of.values()), default=1)
 
     def spell(self, ids: list[int]) -> bytes:
         return b"".join(self.text_bytes[i] for i in ids)

@@ -95,11 +95,11 @@ def scores(results: dict[str, Any]) -> dict[str, float]:
 
 
 def reset_stores(lm: Any) -> None:
-    from lm_eval_safe.prefix_cache import PrefixStore
+    from lm_eval_safe.engines.hf.prefix_cache import PrefixStore
 
     for member in lm.members:
-        if member.prefix_store is not None:
-            member.prefix_store = PrefixStore(member.prefix_store.budget)
+        if member.engine.prefix_store is not None:
+            member.engine.prefix_store = PrefixStore(member.engine.prefix_store.budget)
     lm._prefill_counted = [(0, 0) for _ in lm.members]
     from lm_eval_safe.stats import GenerationStats
 
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     drafter = alone.members[0]
     hf = HFLM(
-        pretrained=drafter.model,
+        pretrained=drafter.engine.model,
         tokenizer=drafter.tokenizer,
         batch_size=args.batch_size,
         max_length=drafter.max_length,

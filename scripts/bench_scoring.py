@@ -105,7 +105,7 @@ def main() -> None:
     ensemble = SafeEnsembleLM(members=args.members, device="cpu", batch_size=batch_size)
     hf = {
         m.name: HFLM(
-            pretrained=str(Path(m.model.name_or_path)),
+            pretrained=str(Path(m.engine.model.name_or_path)),
             device="cpu",
             dtype="float32",
             batch_size=batch_size,

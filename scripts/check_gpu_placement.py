@@ -76,7 +76,7 @@ class Report:
 def check_placement(lm: Any, report: Report) -> None:
     """Every member's weights on its planned device(s); inputs on its embeddings' device."""
     for member, placement in zip(lm.members, lm.placements, strict=True):
-        devices = member.parameter_devices()
+        devices = member.engine.parameter_devices()
         if placement.device_map:
             ok = all(d.startswith("cuda") for d in devices)
             detail = f"device_map={placement.device_map} spread over {', '.join(devices)}"
@@ -84,17 +84,17 @@ def check_placement(lm: Any, report: Report) -> None:
                 detail += " (some weights offloaded off the GPUs: the member does not fit them)"
         else:
             ok = len(devices) == 1 and same_device(
-                next(member.model.parameters()).device, placement.device
+                next(member.engine.model.parameters()).device, placement.device
             )
             detail = f"weights on {', '.join(devices)} (wanted {placement.device})"
         report.check(ok, f"placement {member.name}", detail)
         wanted = "cuda" if placement.device_map else placement.device
-        where = member.input_device
+        where = member.engine.input_device
         report.check(
             str(where) in devices
             and (where.type == wanted if placement.device_map else same_device(where, wanted)),
             f"input device {member.name}",
-            f"input ids go to {member.input_device} (its input embeddings' device)",
+            f"input ids go to {member.engine.input_device} (its input embeddings' device)",
         )
 
 

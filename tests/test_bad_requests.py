@@ -32,7 +32,7 @@ def _doc_request(context: str, doc_id: int, **gen_kwargs: Any) -> Instance:
 def _count_forwards(lm: Any) -> list[int]:
     calls = [0]
     for member in lm.members:
-        member.model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        member.engine.model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     return calls
 
 

@@ -17,14 +17,16 @@ import pytest
 import torch
 from helpers import SCHEDULES, gen_request, make_lm, random_prompts
 
-from lm_eval_safe import batching
-from lm_eval_safe.batching import Forward, MemberBatch
+from lm_eval_safe.engines import generation_rows
+from lm_eval_safe.engines.base import Forward
+from lm_eval_safe.engines.hf import batch as hf_batch
+from lm_eval_safe.engines.hf.batch import AUTO_CPU_ROWS, MemberBatch
 from lm_eval_safe.members import load_member
 
 
 def _full_logprobs(member, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        logits = member.model(input_ids=torch.tensor([ids])).logits[0]
+        logits = member.engine.model(input_ids=torch.tensor([ids])).logits[0]
     return torch.log_softmax(logits[:, : len(member.vocab)].double(), dim=-1)
 
 
@@ -35,7 +37,7 @@ def test_member_batch_matches_full_recompute(
 ) -> None:
     """Random appends, rollbacks, new rows and dropped rows: every returned distribution equals
     a full forward of that row's sequence. ``slack=0`` compacts the cache after every step."""
-    monkeypatch.setattr(batching, "_COMPACT_SLACK", slack)
+    monkeypatch.setattr(hf_batch, "_COMPACT_SLACK", slack)
     member = load_member(str(tiny_bpe_dir if family == "llama" else tiny_gemma_dir), dtype="float64")
     vocab = len(member.vocab)
     rng = random.Random(11)
@@ -120,6 +122,6 @@ def test_three_members_batched(tiny_bpe_dir: Path, tiny_sp_dir: Path, tiny_gemma
 def test_batch_size_auto_on_cpu(tiny_bpe_dir: Path, tiny_sp_dir: Path) -> None:
     lm = make_lm(tiny_bpe_dir, tiny_sp_dir, batch_size="auto")
     jobs = [("a b c", [], 8)] * 3
-    assert batching.generation_batch_size(lm.options, lm.members, jobs) == batching.AUTO_CPU_ROWS
+    assert generation_rows(lm.options, lm.members, jobs) == AUTO_CPU_ROWS
     lm = make_lm(tiny_bpe_dir, tiny_sp_dir, batch_size="auto", max_batch_size=3)
-    assert batching.generation_batch_size(lm.options, lm.members, jobs) == 3
+    assert generation_rows(lm.options, lm.members, jobs) == 3

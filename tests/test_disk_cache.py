@@ -21,7 +21,8 @@ import torch
 
 from lm_eval_safe import disk_cache, members
 from lm_eval_safe.aggregate import UnionVocabulary
-from lm_eval_safe.members import MemberSource, load_weights
+from lm_eval_safe.engines.hf.loading import load_weights
+from lm_eval_safe.members import MemberSource
 from lm_eval_safe.vocabulary import TokenVocabulary
 
 GGUF_HEADER = b"GGUF" + (3).to_bytes(4, "little")
@@ -41,7 +42,7 @@ def conversions(monkeypatch: pytest.MonkeyPatch, tiny_bpe_dir: Path) -> list[str
 
     def fake_load_gguf(source: MemberSource, dtype: object, trust: bool) -> tuple:
         calls.append(source.location)
-        return members._load_pretrained(str(tiny_bpe_dir), dtype, trust)
+        return members.load_pretrained(str(tiny_bpe_dir), dtype, trust)
 
     monkeypatch.setattr(members, "_load_gguf", fake_load_gguf)
     return calls
@@ -109,7 +110,8 @@ _BUILDER = textwrap.dedent(
     import sys, time
     from pathlib import Path
     from lm_eval_safe import members
-    from lm_eval_safe.members import MemberSource, load_weights
+    from lm_eval_safe.engines.hf.loading import load_weights
+    from lm_eval_safe.members import MemberSource
 
     tiny, gguf, cache, log, pause, stall = sys.argv[1:7]
     save = members._save_dequantized
@@ -118,7 +120,7 @@ _BUILDER = textwrap.dedent(
         with open(log, "a") as handle:
             handle.write("convert\\n")
         time.sleep(float(pause))
-        return members._load_pretrained(tiny, dtype, trust)
+        return members.load_pretrained(tiny, dtype, trust)
 
     def stalled_save(model, tokenizer, folder):
         save(model, tokenizer, folder)

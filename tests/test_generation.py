@@ -202,7 +202,7 @@ def test_three_members_sp_drafter(tiny_bpe_dir: Path, tiny_sp_dir: Path, tiny_bp
 
 def _full_recompute(member, prompt_ids: list[int], ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        logits = member.model(input_ids=torch.tensor([prompt_ids + ids])).logits[0, len(prompt_ids) - 1 :]
+        logits = member.engine.model(input_ids=torch.tensor([prompt_ids + ids])).logits[0, len(prompt_ids) - 1 :]
     return torch.log_softmax(logits[:, : len(member.vocab)].float(), dim=-1)
 
 

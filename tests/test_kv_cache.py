@@ -17,16 +17,17 @@ import pytest
 import torch
 from helpers import WORDS
 
-from lm_eval_safe import kv_cache
-from lm_eval_safe.batching import Forward, MemberBatch
+from lm_eval_safe.engines.base import Forward
+from lm_eval_safe.engines.hf import kv_cache
+from lm_eval_safe.engines.hf.batch import MemberBatch
+from lm_eval_safe.engines.hf.scoring import score_tokens
 from lm_eval_safe.members import load_member
-from lm_eval_safe.scoring import score_tokens
 
 
 def _full_logprobs(member, ids: list[int]) -> torch.Tensor:
     """transformers' forward over the whole sequence, no cache: the independent reference."""
     with torch.inference_mode():
-        logits = member.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+        logits = member.engine.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
     return torch.log_softmax(logits[:, : len(member.vocab)].double(), dim=-1)
 
 
@@ -58,7 +59,7 @@ def test_prefix_store_rows_match_full_recompute(
         seqs[row] = list(prompt)
         torch.testing.assert_close(out[row][0].double(), _full_logprobs(member, prompt)[-1], atol=1e-8, rtol=0)
         checked += 1
-    store = member.prefix_store
+    store = member.engine.prefix_store
     assert store.reused_tokens >= 3 * store.block, "later prompts must start from the store"
     for _ in range(6):
         calls = {}
@@ -108,7 +109,7 @@ def test_scored_continuations_match_full_recompute(
             torch.testing.assert_close(torch.tensor(lps, dtype=torch.float64), expected, atol=1e-5, rtol=0)
             assert greedy == (reference.argmax(dim=1) == torch.tensor(cont)).tolist()
     if prefix_cache_mb:
-        assert member.prefix_store.reused_tokens > 0
+        assert member.engine.prefix_store.reused_tokens > 0
 
 
 # -- the adapter's own operations, against plain tensor arithmetic ----------------------------

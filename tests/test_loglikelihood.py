@@ -247,13 +247,13 @@ def test_two_tokenizers_rolling_equal_brute_force(tiny_bpe_dir: Path, tiny_sp_di
 
 def _count_forwards(member) -> list[int]:
     calls = [0]
-    original = member.model.forward
+    original = member.engine.model.forward
 
     def counted(*args, **kwargs):
         calls[0] += 1
         return original(*args, **kwargs)
 
-    member.model.forward = counted
+    member.engine.model.forward = counted
     return calls
 
 
@@ -265,13 +265,13 @@ def test_shared_context_runs_once(tiny_bpe_dir: Path, tiny_sp_dir: Path, batch_s
     counters = [_count_forwards(m) for m in lm.members]
     seen: list[int] = []
     for member in lm.members:
-        forward = member.model.forward
+        forward = member.engine.model.forward
 
         def spy(*args, _forward=forward, **kwargs):
             seen.append(int(kwargs["input_ids"].shape[1]))
             return _forward(*args, **kwargs)
 
-        member.model.forward = spy
+        member.engine.model.forward = spy
     lm.loglikelihood([ll_request(c, x) for c, x in MC], disable_tqdm=True)
     n_batches = 2 // batch_size
     for calls in counters:

@@ -42,4 +42,4 @@ def test_200_requests_of_256_tokens_keep_memory_flat(
     assert s[200]["rss_mib"] - s[50]["rss_mib"] < 64
     assert len(lm.request_stats) == kept
     for member in lm.members:
-        assert 0 < member.prefix_store.bytes <= member.prefix_store.budget
+        assert 0 < member.engine.prefix_store.bytes <= member.engine.prefix_store.budget

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from helpers import SCHEDULES, gen_request, make_lm, random_prompts
 
-from lm_eval_safe import batch_driver, batching
+from lm_eval_safe import batch_driver
+from lm_eval_safe.engines.hf import batch as hf_batch
 from lm_eval_safe.latency import CycleForwards, forward_depth
 from lm_eval_safe.options import OptionError, parse_options
 from lm_eval_safe.overlap import overlap_enabled
@@ -39,14 +40,14 @@ def test_overlap_gives_the_texts_of_overlap_off(
     members = [tiny_bpe_dir, tiny_gemma_dir]
     common = {"schedule": schedule, "aggregator": aggregator}
     served = {"rows": 0}  # drafter rows the drafter's batch ran, prefills included
-    run = batching.MemberBatch.run
+    run = hf_batch.MemberBatch.forward
 
     def counted(self, calls):
         if self.member.name == tiny_bpe_dir.name:
             served["rows"] += len(calls)
         return run(self, calls)
 
-    monkeypatch.setattr(batching.MemberBatch, "run", counted)
+    monkeypatch.setattr(hf_batch.MemberBatch, "forward", counted)
     for bs in (1, 3):
         served["rows"] = 0
         off_texts, off = _run(members, prompts, overlap="off", batch_size=bs, **common)
@@ -90,13 +91,13 @@ def test_forward_counts_match_the_forwards_run(tiny_bpe_dir: Path, tiny_sp_dir: 
     """``drafter_forwards``/``verifier_forwards`` are the forwards each member's batch ran, and
     the sequential depth of a lone request is their sum."""
     calls: dict[str, int] = {}
-    run = batching.MemberBatch.run
+    run = hf_batch.MemberBatch.forward
 
     def counted(self, requests):
         calls[self.member.name] = calls.get(self.member.name, 0) + 1
         return run(self, requests)
 
-    monkeypatch.setattr(batching.MemberBatch, "run", counted)
+    monkeypatch.setattr(hf_batch.MemberBatch, "forward", counted)
     lm = make_lm(tiny_bpe_dir, tiny_sp_dir, dtype="float64")
     lm.generate_until([gen_request(random_prompts(1, seed=33)[0], until=[], max_gen_toks=30)], disable_tqdm=True)
     stats = lm.get_model_info()["safe_stats"]
@@ -135,7 +136,7 @@ def test_no_verifier_position_fed_twice(
     verifier_dir = tiny_bpe_perturbed_dir if pair == "same_tokenizer" else tiny_sp_dir
     cached: dict[int, list[int]] = {}
     refed = fed = 0
-    run = batching.MemberBatch.run
+    run = hf_batch.MemberBatch.forward
 
     def replayed(self, requests):
         nonlocal refed, fed
@@ -151,7 +152,7 @@ def test_no_verifier_position_fed_twice(
                 cached[row] = after
         return run(self, requests)
 
-    monkeypatch.setattr(batching.MemberBatch, "run", replayed)
+    monkeypatch.setattr(hf_batch.MemberBatch, "forward", replayed)
     lm = make_lm(tiny_bpe_dir, verifier_dir, dtype="float64", schedule="aligned")
     lm.generate_until([gen_request(p, until=[], max_gen_toks=30) for p in random_prompts(3, seed=34)], disable_tqdm=True)
     assert fed > 0 and lm.run_stats.ensemble_ops > 0

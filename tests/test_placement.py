@@ -16,9 +16,9 @@ import pytest
 import torch
 from helpers import ll_request, make_lm
 
+from lm_eval_safe.engines.hf.placement import Placement, plan_placement, resolve_device
 from lm_eval_safe.model import SafeEnsembleLM
 from lm_eval_safe.options import OptionError
-from lm_eval_safe.placement import Placement, plan_placement, resolve_device
 
 REPO = Path(__file__).resolve().parents[1]
 MEMBERS = ["org/a", "/models/b"]
@@ -197,7 +197,7 @@ def test_device_map_member_is_loaded_by_accelerate_and_scores_the_same(
     )
     lm = make_lm(tiny_bpe_dir, tiny_sp_dir)
     spread = lm.members[0]
-    assert spread.device_map == "auto" and spread.input_device == torch.device("cpu")
+    assert spread.engine.device_map == "auto" and spread.engine.input_device == torch.device("cpu")
     assert spread.describe()["devices"] == ["cpu"]
     assert lm.loglikelihood(requests, disable_tqdm=True) == plain
 

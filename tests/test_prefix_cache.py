@@ -14,8 +14,8 @@ import pytest
 import torch
 from helpers import SCHEDULES, WORDS, gen_request, ll_request, make_lm
 
-from lm_eval_safe.kv_cache import new_cache
-from lm_eval_safe.prefix_cache import PrefixStore
+from lm_eval_safe.engines.hf.kv_cache import new_cache
+from lm_eval_safe.engines.hf.prefix_cache import PrefixStore
 
 
 def few_shot_prompts(n: int, seed: int = 0, shots: int = 3) -> list[str]:
@@ -30,7 +30,7 @@ def few_shot_prompts(n: int, seed: int = 0, shots: int = 3) -> list[str]:
 
 
 def reused_tokens(lm) -> int:
-    return sum(m.prefix_store.reused_tokens for m in lm.members if m.prefix_store is not None)
+    return sum(m.engine.prefix_store.reused_tokens for m in lm.members if m.engine.prefix_store is not None)
 
 
 @pytest.mark.parametrize(("schedule", "aggregator"), SCHEDULES)
@@ -59,9 +59,9 @@ def test_generation_identical_with_and_without_reuse(
         if budget:
             # every member: four of five prompts start from the stored exemplars
             for member in lm.members if schedule != "drafter" else lm.members[:1]:
-                assert member.prefix_store.reused_tokens >= 4 * 48, member.name
+                assert member.engine.prefix_store.reused_tokens >= 4 * 48, member.name
         else:
-            assert all(m.prefix_store is None for m in lm.members)
+            assert all(m.engine.prefix_store is None for m in lm.members)
     assert texts[64] == texts[0]
     assert len(set(texts[0])) > 1
 
@@ -115,7 +115,7 @@ def test_small_budget_evicts_and_keeps_results(tiny_bpe_dir: Path, tiny_sp_dir: 
     lm = make_lm(tiny_bpe_dir, tiny_sp_dir, dtype="float64", prefix_cache_mb=0.05)
     budgets = []
     for member in lm.members:
-        store = member.prefix_store
+        store = member.engine.prefix_store
         original = store.add
 
         def add(*args, _store=store, _original=original, **kwargs):
@@ -171,7 +171,7 @@ def test_text_shared_prefix_split_differently_at_the_seam(tiny_bpe_dir: Path) ->
     """Two prompts share a text prefix whose last word the byte-level BPE merges with what
     follows in only one of them: reuse stops at the last block where the ids agree, and the
     next-token distribution equals a fresh prefill's."""
-    from lm_eval_safe.forward import forward_logprobs
+    from lm_eval_safe.engines.hf.forward import forward_logprobs
     from lm_eval_safe.members import load_member
 
     member = load_member(str(tiny_bpe_dir), device="cpu", dtype="float64")
@@ -180,7 +180,7 @@ def test_text_shared_prefix_split_differently_at_the_seam(tiny_bpe_dir: Path) ->
     ids_a, ids_b = member.encode(first), member.encode(second)
     common = next(i for i, (a, b) in enumerate(zip(ids_a, ids_b, strict=False)) if a != b)
     assert member.tokenizer.decode(ids_b[:common]) != shared, "the seam must split differently"
-    store = member.prefix_store
+    store = member.engine.prefix_store
     reused_a, cache_a = store.lookup(ids_a)
     forward_logprobs(member, ids_a[reused_a:], cache_a, 1)
     store.add(ids_a, cache_a)
@@ -215,8 +215,8 @@ def test_scored_contexts_store_their_own_states(
     """Contexts of different lengths and different exemplars scored in one left-padded batch,
     then again from the store: every stored block holds the states a fresh prefill of that
     context computes (row and padding offset right), on both the batched and the reuse path."""
+    from lm_eval_safe.engines.hf.scoring import score_tokens
     from lm_eval_safe.members import load_member
-    from lm_eval_safe.scoring import score_tokens
 
     member = load_member(
         str(tiny_bpe_dir if family == "bpe" else tiny_gemma_dir), device="cpu", dtype="float64"
@@ -224,7 +224,7 @@ def test_scored_contexts_store_their_own_states(
     contexts = [few_shot_prompts(1, seed=s, shots=2 + s)[0] for s in (1, 2)]
     pairs = [(member.encode(c), member.encode(" the cat", add_special_tokens=False)) for c in contexts]
     assert len(pairs[0][0]) != len(pairs[1][0])
-    store = member.prefix_store
+    store = member.engine.prefix_store
     for round_ in range(2):  # first the batched path, then the path that starts from the store
         score_tokens(member, pairs, batch_size=2)
         for ctx, _ in pairs:
@@ -233,7 +233,7 @@ def test_scored_contexts_store_their_own_states(
             fresh = new_cache()
             # transformers' own keyword of 4.57 (still taken, deprecated, by 5.x): independent of
             # the adapter's choice
-            member.model(input_ids=torch.tensor([ctx[:reused]]), past_key_values=fresh, use_cache=True)
+            member.engine.model(input_ids=torch.tensor([ctx[:reused]]), past_key_values=fresh, use_cache=True)
             for mine, theirs in zip(cache.layers, fresh.layers, strict=True):
                 assert torch.allclose(mine.keys, theirs.keys, atol=1e-10)
                 assert torch.allclose(mine.values, theirs.values, atol=1e-10)
@@ -250,7 +250,7 @@ def test_requests_sharing_exemplars_run_together(tiny_bpe_dir: Path, tiny_sp_dir
     for family in families:
         probe = make_lm(tiny_bpe_dir, tiny_sp_dir, dtype="float64")
         probe.generate_until([gen_request(family[0], until=[], max_gen_toks=1)], disable_tqdm=True)
-        one_prompt = [max(n, m.prefix_store.bytes) for n, m in zip(one_prompt, probe.members, strict=True)]
+        one_prompt = [max(n, m.engine.prefix_store.bytes) for n, m in zip(one_prompt, probe.members, strict=True)]
     shared = []  # per member: the fewest ids two prompts of one family share
     for member in probe.members:
         common = []
@@ -262,15 +262,15 @@ def test_requests_sharing_exemplars_run_together(tiny_bpe_dir: Path, tiny_sp_dir
         shared.append(min(common))
     lm = make_lm(tiny_bpe_dir, tiny_sp_dir, dtype="float64")
     for member, size in zip(lm.members, one_prompt, strict=True):
-        member.prefix_store.budget = int(1.4 * size)
+        member.engine.prefix_store.budget = int(1.4 * size)
     texts = lm.generate_until(requests, disable_tqdm=True)
     assert texts == make_lm(tiny_bpe_dir, tiny_sp_dir, dtype="float64", prefix_cache_mb=0).generate_until(
         requests, disable_tqdm=True
     )
     for member, common in zip(lm.members, shared, strict=True):
         # four requests (two per family) start from all whole blocks of their family's exemplars
-        block = member.prefix_store.block
-        assert member.prefix_store.reused_tokens >= 4 * (common // block * block)
+        block = member.engine.prefix_store.block
+        assert member.engine.prefix_store.reused_tokens >= 4 * (common // block * block)
 
 
 def test_eviction_drops_least_recently_used_first() -> None:

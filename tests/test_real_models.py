@@ -50,7 +50,7 @@ def test_smollm2_single_member_equals_hf_generate(smollm, shared_dir: Path) -> N
     member = smollm.members[0]
     for row in _gsm8k(shared_dir, 2):
         prompt = f"Question: {row['question']}\nAnswer:"
-        expected = hf_greedy_text(member.model, member.tokenizer, prompt, 40)
+        expected = hf_greedy_text(member.engine.model, member.tokenizer, prompt, 40)
         (got,) = smollm.generate_until([gen_request(prompt, until=[], max_gen_toks=40)], disable_tqdm=True)
         assert got == expected
         cut = expected.split("\n")[0]
@@ -63,7 +63,7 @@ def test_smollm2_loglikelihood_equals_lm_eval_hf(smollm) -> None:
     from lm_eval.models.huggingface import HFLM
 
     member = smollm.members[0]
-    folder = Path(member.model.name_or_path)
+    folder = Path(member.engine.model.name_or_path)
     assert (folder / "complete.json").is_file(), "expected the converted safetensors cache"
     hf = HFLM(pretrained=str(folder), device="cpu", dtype="float32", batch_size=1)
     requests = [
@@ -215,8 +215,8 @@ def test_prefix_reuse_keeps_bbh_texts(models: Path, shared_dir: Path) -> None:
     """Real members, BBH 3-shot prompts (one shared exemplar block of ~600 tokens): the texts
     with shared-prefix reuse equal those with every prompt prefilled from scratch (float32),
     and the exemplars were prefilled once per member."""
+    from lm_eval_safe.engines.hf.prefix_cache import BLOCK
     from lm_eval_safe.model import SafeEnsembleLM
-    from lm_eval_safe.prefix_cache import BLOCK
 
     bbh = shared_dir / "data" / "bbh"
     exemplars = (bbh / "cot-prompts" / "date_understanding.txt").read_text().split("-----\n", 1)[-1]

@@ -276,7 +276,7 @@ def test_requests_are_checked_before_the_first_forward(
     def no_forward(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a forward pass ran before every request was checked")
 
-    monkeypatch.setattr("lm_eval_safe.batching.MemberBatch.run", no_forward)
+    monkeypatch.setattr("lm_eval_safe.engines.hf.batch.MemberBatch.forward", no_forward)
     good = gen_request("the cat", until=[], max_gen_toks=2, do_sample=True, temperature=0.5)
     bad = gen_request("the cat", until=[], max_gen_toks=2, no_such_option=1)
     with pytest.raises(RequestError, match="^request 2: unknown generation kwarg 'no_such_option'"):

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from helpers import gen_request, ll_request, make_lm, random_prompts
 
-from lm_eval_safe import small_rows
-from lm_eval_safe.small_rows import SmallRowLinears, matrix_form
+from lm_eval_safe.engines.hf import small_rows
+from lm_eval_safe.engines.hf.small_rows import SmallRowLinears, matrix_form
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -33,7 +33,7 @@ def test_active_only_inside_the_block(tiny_bpe_dir: Path, tmp_path: Path) -> Non
     from lm_eval_safe.members import load_member
 
     member = load_member(str(tiny_bpe_dir), device="cpu", fast_small_linear="on", cache_dir=str(tmp_path))
-    head = member.model.get_output_embeddings()
+    head = member.engine.model.get_output_embeddings()
     x = torch.randn(1, 2, head.in_features)
     calls = []
     original = small_rows.matrix_form
@@ -46,7 +46,7 @@ def test_active_only_inside_the_block(tiny_bpe_dir: Path, tmp_path: Path) -> Non
     try:
         head(x)
         assert calls == []
-        with member.small_rows.active():
+        with member.engine.small_rows.active():
             head(x)
             head(torch.randn(1, 9, head.in_features))  # beyond MAX_ROWS: plain
         assert calls == [x.shape]
@@ -63,7 +63,7 @@ def test_on_gives_the_texts_and_scores_of_off(tiny_bpe_dir: Path, tiny_sp_dir: P
     out = {}
     for mode in ("off", "on"):
         lm = make_lm(tiny_bpe_dir, tiny_sp_dir, dtype="float64", fast_small_linear=mode)
-        patched = [m.small_rows.modules for m in lm.members]
+        patched = [m.engine.small_rows.modules for m in lm.members]
         assert all(patched) if mode == "on" else not any(patched)
         out[mode] = (
             lm.generate_until(generate, disable_tqdm=True),
@@ -87,9 +87,9 @@ def test_auto_times_each_shape_once_per_machine(tiny_bpe_dir: Path, tmp_path: Pa
 
     monkeypatch.setattr(small_rows, "measure_rows", fake_measure)
     member = load_member(str(tiny_bpe_dir), device="cpu", cache_dir=str(tmp_path))
-    shapes = {key[:2] for key in member.small_rows.modules}
-    with member.small_rows.active():
-        head = member.model.get_output_embeddings()
+    shapes = {key[:2] for key in member.engine.small_rows.modules}
+    with member.engine.small_rows.active():
+        head = member.engine.model.get_output_embeddings()
         expected = frozenset({1, 2}) if head.out_features > 1000 else frozenset()
         assert getattr(head, small_rows._ATTR) == expected
     assert sorted(timed) == sorted(shapes)
@@ -97,7 +97,7 @@ def test_auto_times_each_shape_once_per_machine(tiny_bpe_dir: Path, tmp_path: Pa
 
     timed.clear()
     again = load_member(str(tiny_bpe_dir), device="cpu", cache_dir=str(tmp_path))
-    with again.small_rows.active():
+    with again.engine.small_rows.active():
         pass
     assert timed == []
 
@@ -133,5 +133,5 @@ def test_off_leaves_the_model_untouched(tiny_bpe_dir: Path) -> None:
     from lm_eval_safe.members import load_member
 
     member = load_member(str(tiny_bpe_dir), device="cpu", fast_small_linear="off")
-    assert isinstance(member.small_rows, SmallRowLinears) and not member.small_rows.modules
-    assert all("forward" not in vars(m) for m in member.model.modules())
+    assert isinstance(member.engine.small_rows, SmallRowLinears) and not member.engine.small_rows.modules
+    assert all("forward" not in vars(m) for m in member.engine.model.modules())

@@ -21,7 +21,7 @@ def mask_eos(members: Iterable[Any]) -> None:
     minimum instead of ``-inf``, which no argmax picks."""
     for member in members:
         eos = torch.tensor(sorted(member.eos_ids), dtype=torch.long)
-        head = member.model.get_output_embeddings()
+        head = member.engine.model.get_output_embeddings()
 
         def hook(_module: Any, _inputs: Any, logits: torch.Tensor, eos: torch.Tensor = eos) -> Any:
             return logits.index_fill(-1, eos.to(logits.device), float("-inf"))

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from lm_eval_safe import kv_cache
 from lm_eval_safe.bench.timing import sync_device
-from lm_eval_safe.forward import forward_logprobs
+from lm_eval_safe.engines import engines_active
+from lm_eval_safe.engines.hf import kv_cache
+from lm_eval_safe.engines.hf.forward import forward_logprobs
 from lm_eval_safe.latency import CycleForwards, forward_depth
 from lm_eval_safe.members import Member
-from lm_eval_safe.small_rows import small_row_linears
 
 
 @dataclass
@@ -45,7 +45,7 @@ def measure_latency(member: Member, prompt_ids: list[int], repeats: int = 7) -> 
     """Median time of a 1-token and a 5-token forward after ``prompt_ids`` (the cache cropped
     back after each), all rows through the output layer, as a verifier's window needs."""
     cache = kv_cache.new_cache()
-    with small_row_linears([member]):
+    with engines_active([member]):
         forward_logprobs(member, prompt_ids, cache, 1)
         base = len(prompt_ids)
         times: dict[int, list[float]] = {1: [], 5: []}

@@ -27,9 +27,9 @@ from lm_eval_safe.bench.latency_model import ForwardLatency, modelled_seconds
 from lm_eval_safe.bench.memory import max_rss_mib
 from lm_eval_safe.bench.timing import on_cuda, sync_device, timed
 from lm_eval_safe.decoding import GenerationJob, SafeDecoder
+from lm_eval_safe.engines import engines_active
 from lm_eval_safe.members import Member
 from lm_eval_safe.options import parse_options
-from lm_eval_safe.small_rows import small_row_linears
 
 # method -> SafeDecoder options (None: not a SafeDecoder method)
 METHODS: dict[str, dict[str, Any] | None] = {
@@ -92,12 +92,12 @@ def hf_generate(member: Member, prompt_ids: list[int], max_new_tokens: int) -> l
 
     With EOS masked (:func:`lm_eval_safe.bench.eos.mask_eos`) the output layer itself never
     predicts EOS, so ``generate`` runs to ``max_new_tokens`` as every other method does."""
-    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=member.input_device)
-    config = member.model.generation_config
+    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=member.engine.input_device)
+    config = member.engine.model.generation_config
     pad = member.tokenizer.pad_token_id
     with warnings.catch_warnings(), torch.inference_mode():
         warnings.simplefilter("ignore")
-        out = member.model.generate(
+        out = member.engine.model.generate(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),
             max_new_tokens=max_new_tokens,
@@ -118,7 +118,7 @@ def _run_drafter_alone(
     run = Run(method, -1, -1, 0, 0.0)
     drafter = decoder.drafter
     # hf_generate is transformers as users run it; the floor gets the speed-ups SAFE has
-    speedups = small_row_linears(members) if method == "floor" else contextlib.nullcontext()
+    speedups = engines_active(members) if method == "floor" else contextlib.nullcontext()
     with speedups:
         start = time.perf_counter()
         ids = hf_generate(

@@ -15,13 +15,13 @@ and spliced into its row, so prompts of different lengths never pad each other.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from lm_eval_safe import kv_cache
-from lm_eval_safe.forward import forward_logprobs, vocab_logprobs
+from lm_eval_safe.engines.base import Call, Draft, Drafted, EngineBatch, Forward
+from lm_eval_safe.engines.hf import kv_cache
+from lm_eval_safe.engines.hf.forward import forward_logprobs, vocab_logprobs
 from lm_eval_safe.members import Member
 
 logger = logging.getLogger(__name__)
@@ -31,19 +31,7 @@ logger = logging.getLogger(__name__)
 _COMPACT_SLACK = 48
 
 
-@dataclass
-class Forward:
-    """One row's request to run a member: keep ``keep`` tokens of its sequence in the cache,
-    feed ``ids`` after them and return the next-token log-probs after each index in ``want``
-    (indices into ``ids``)."""
-
-    member: int
-    keep: int
-    ids: list[int]
-    want: list[int] = field(default_factory=list)
-
-
-class MemberBatch:
+class MemberBatch(EngineBatch):
     """One member's KV cache for the rows of a batch, with per-row lengths and rollback.
 
     ``positions[r, s]`` is the position in row ``r``'s sequence of the token cached in slot
@@ -100,11 +88,46 @@ class MemberBatch:
             self.positions[row][self.positions[row] >= length] = -1
             self.lengths[row] = length
 
+    # -- calls ---------------------------------------------------------------------------
+    def run(self, calls: dict[int, Call]) -> dict[int, Any]:
+        """Serve the rows' calls: drafts step by step (one batched forward per drafted token,
+        for the rows still drafting), forwards in one batched forward."""
+        drafts = {r: c for r, c in calls.items() if isinstance(c, Draft)}
+        forwards = {r: c for r, c in calls.items() if isinstance(c, Forward)}
+        if len(drafts) + len(forwards) != len(calls):
+            raise TypeError("the transformers engine answers Draft and Forward calls only")
+        results: dict[int, Any] = {}
+        if forwards:
+            results.update(self.forward(forwards))
+        if drafts:
+            results.update(self._draft(drafts))
+        return results
+
+    def _draft(self, calls: dict[int, Draft]) -> dict[int, Drafted]:
+        """Each row's draft as single-token forwards: the first feeds the call's ids, each later
+        one the token drafted before it; a row leaves the batch after its ``n``-th token or a
+        stop id. Greedy rows take the argmax, sampled ones their sampler's draw."""
+        drafted = {row: Drafted([], []) for row in calls}
+        steps = {row: Forward(c.member, c.keep, c.ids, [len(c.ids) - 1]) for row, c in calls.items()}
+        while steps:
+            answers = self.forward(steps)
+            following = {}
+            for row, step in steps.items():
+                call, out = calls[row], drafted[row]
+                logprobs = answers[row][0]
+                token = int(torch.argmax(logprobs)) if call.sampler is None else call.sampler.sample(logprobs)
+                out.tokens.append(token)
+                out.rows.append(logprobs)
+                if len(out.tokens) < call.n and token not in call.stop_ids:
+                    following[row] = Forward(step.member, step.keep + len(step.ids), [token], [0])
+            steps = following
+        return drafted
+
     # -- forwards ------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, calls: dict[int, Forward]) -> dict[int, torch.Tensor]:
-        """Serve the rows' calls: fresh rows (``keep == 0``) are prefilled alone and spliced in,
-        the others share one batched forward. Returns each row's log-prob rows."""
+    def forward(self, calls: dict[int, Forward]) -> dict[int, torch.Tensor]:
+        """Serve the rows' forwards: fresh rows (``keep == 0``) are prefilled alone and spliced
+        in, the others share one batched forward. Returns each row's log-prob rows."""
         results: dict[int, torch.Tensor] = {}
         batched: dict[int, Forward] = {}
         for row, call in calls.items():
@@ -125,7 +148,7 @@ class MemberBatch:
         """A prompt's forward, starting from the longest prefix of it that the member's prefix
         store holds (few-shot exemplars shared with earlier requests); its blocks then go back
         to the store for later requests."""
-        store = self.member.prefix_store
+        store = self.member.engine.prefix_store
         if store is None:
             cache, reused = kv_cache.new_cache(), 0
         else:
@@ -198,7 +221,7 @@ class MemberBatch:
 
     def _forward(self, calls: dict[int, Forward]) -> dict[int, torch.Tensor]:
         member = self.member
-        device = member.input_device
+        device = member.engine.input_device
         width = max(len(call.ids) for call in calls.values())
         pad_id = member.tokenizer.pad_token_id or 0
         input_ids = torch.full((self.rows, width), pad_id, dtype=torch.long)
@@ -223,11 +246,11 @@ class MemberBatch:
         cache = kv_cache.select_rows(self.cache, rows) if subset else self.cache
         pick = torch.tensor(rows) if subset else slice(None)
         out = kv_cache.run(
-            kv_cache.decoder(member.model),
+            kv_cache.decoder(member.engine.model),
             cache,
             input_ids=input_ids[pick].to(device),
             attention_mask=kv_cache.attention_mask(
-                member.model, key_pos[pick], query_pos[pick], device
+                member.engine.model, key_pos[pick], query_pos[pick], device
             ),
             position_ids=query_pos[pick].clamp_min(0).to(device),
         )
@@ -255,11 +278,12 @@ class MemberBatch:
         """The output layer on chosen hidden states (``logits_to_keep`` selects the same columns
         for every row, which would run a 262k-vocabulary head on every padded position)."""
         member = self.member
-        if not kv_cache.output_head_reproduces_logits(member.model, member.prefix_token_id, member.input_device):
+        model = member.engine.model
+        if not kv_cache.output_head_reproduces_logits(model, member.prefix_token_id, member.engine.input_device):
             raise NotImplementedError(
-                f"batch_size>1 cannot reproduce {type(member.model).__name__}'s output layer; use batch_size=1"
+                f"batch_size>1 cannot reproduce {type(model).__name__}'s output layer; use batch_size=1"
             )
-        return kv_cache.output_logits(member.model, hidden)
+        return kv_cache.output_logits(model, hidden)
 
 
 # batch_size=auto on CPU: rows decoded together. Past about 8 rows a CPU's matrix units are
@@ -267,26 +291,24 @@ class MemberBatch:
 AUTO_CPU_ROWS = 8
 
 
-def generation_batch_size(options: Any, members: list[Member], jobs: list[Any]) -> int:
-    """Rows decoded together: ``batch_size`` as given, or for ``auto`` as many as the free
-    memory of the members' GPUs holds (KV caches of the longest job, half the free memory, at
-    most ``max_batch_size``); on CPU, :data:`AUTO_CPU_ROWS`."""
-    if options.batch_size != "auto":
-        return max(1, int(options.batch_size))
-    if not jobs:
-        return 1
-    devices = {m.input_device for m in members}
+def auto_generation_rows(members: list[Member], jobs: list[Any]) -> int:
+    """``batch_size=auto`` for transformers members: as many rows as the free memory of their
+    GPUs holds (KV caches of the longest job, half the free memory); on CPU,
+    :data:`AUTO_CPU_ROWS`."""
+    devices = {m.engine.input_device for m in members}
     if not all(d.type == "cuda" for d in devices):
-        return min(AUTO_CPU_ROWS, options.max_batch_size)
+        return AUTO_CPU_ROWS
     # tokens a row may hold: the longest prompt (counted as one token per 2 characters, more
     # than any tokenizer here makes) plus its generation
     longest = max(len(job[0]) // 2 + job[2] for job in jobs)  # (context, until, new tokens, ...)
     per_row = {d: 0 for d in devices}
     for member in members:
         tokens = min(longest, member.max_length)
-        per_row[member.input_device] += kv_cache.kv_bytes_per_token(member.model) * tokens * 2  # cat copies
+        per_row[member.engine.input_device] += (
+            kv_cache.kv_bytes_per_token(member.engine.model) * tokens * 2  # cat copies
+        )
     rows = min(
         torch.cuda.mem_get_info(device)[0] // 2 // max(1, need) for device, need in per_row.items()
     )
     logger.info("batch_size=auto: %d rows fit the free GPU memory", rows)
-    return int(max(1, min(rows, options.max_batch_size)))
+    return int(rows)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from lm_eval_safe import kv_cache
+from lm_eval_safe.engines.hf import kv_cache
 from lm_eval_safe.members import Member
 
 
@@ -39,13 +39,13 @@ def forward_logprobs(
     Only the needed rows go through the output layer: for a 262k vocabulary it costs more than
     the rest of a small model.
     """
-    input_ids = torch.tensor([ids], dtype=torch.long, device=member.input_device)
+    input_ids = torch.tensor([ids], dtype=torch.long, device=member.engine.input_device)
     if isinstance(keep, int):
         to_keep: int | torch.Tensor = keep
     else:
         # on cpu: with device_map=auto the hidden states it indexes sit on the last device
         to_keep = torch.tensor(keep if keep else [len(ids) - 1], dtype=torch.long)
-    out = kv_cache.run(member.model, cache, input_ids=input_ids, logits_to_keep=to_keep)
+    out = kv_cache.run(member.engine.model, cache, input_ids=input_ids, logits_to_keep=to_keep)
     logits = out.logits[0]
     if isinstance(keep, int):
         logits = logits[-keep:]

@@ -23,7 +23,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from lm_eval_safe import kv_cache
+from lm_eval_safe.engines.hf import kv_cache
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,296 @@
+"""Ensemble decisions certified from the head of each member's distribution (SAFE_SPEC §3-5).
+
+An engine such as vLLM returns, per position, the ``K`` most probable ids and the log-probs of
+the ids it was asked about (:class:`~lm_eval_safe.engines.base.TopLogprobs`), not the whole
+vocabulary. Every id it did not return is at most as probable as the ``K``-th, and all of them
+together hold the mass the returned ones leave. So each quantity a decision reads (a member's
+probability of a string, the mixture, UniTE's renormalised table, a sharpened score) lies in an
+interval computed from the head alone. Where the intervals separate the winner from every
+other string, and every threshold test (sharpening's trigger at 0.5, ``sharpen_lambda``, SAFE's
+consensus at 0.5) falls clearly on one side, the decision is the one the full distributions
+would give: it is *certified*. Anything else returns ``None`` and the decoder asks the engines
+for the full distributions (:class:`~lm_eval_safe.engines.base.Complete`), on which the exact
+code of :mod:`lm_eval_safe.aggregate` decides.
+
+The rules mirror :func:`~lm_eval_safe.aggregate.gac` and :func:`~lm_eval_safe.aggregate.unite`
+step by step; ``tests/test_certified.py`` checks every certified decision against those
+functions on the full distributions the heads were cut from.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lm_eval_safe.aggregate import (
+    SHARPEN_THRESHOLD,
+    Choice,
+    UnionVocabulary,
+    View,
+    member_token_for,
+)
+from lm_eval_safe.engines.base import TopLogprobs
+
+#: Separation every certified comparison needs: more than the rounding of the float32
+#: log-probs an engine returns, far less than any difference a decision turns on in practice.
+MARGIN = 1e-7
+#: Added to the mass an engine's head leaves (1 - the sum of its probabilities, computed from
+#: float32 log-probs that may sum to slightly more than 1), so a bound is never too tight.
+MASS_SLACK = 1e-5
+
+
+@dataclass(frozen=True)
+class Interval:
+    low: float
+    high: float
+
+    def __add__(self, other: Interval) -> Interval:
+        return Interval(self.low + other.low, self.high + other.high)
+
+    def scaled(self, weight: float) -> Interval:
+        return Interval(weight * self.low, weight * self.high)
+
+    def log(self) -> Interval:
+        return Interval(_log(self.low), _log(self.high))
+
+    def above(self, bound: float) -> bool | None:
+        """``value > bound`` when certain, else None."""
+        if self.low > bound + MARGIN:
+            return True
+        if self.high <= bound - MARGIN:
+            return False
+        return None
+
+
+ZERO = Interval(0.0, 0.0)
+
+
+def _log(x: float) -> float:
+    return math.log(x) if x > 0 else -math.inf
+
+
+@dataclass
+class Head:
+    """One member's returned head, with the bound on every id it does not name."""
+
+    row: TopLogprobs
+    weight: float
+
+    def __post_init__(self) -> None:
+        self.left = min(1.0, self.row.remaining + MASS_SLACK)  # mass outside `known`
+        self.unknown = min(self.row.ceiling, self.left)  # bound on any one unknown id
+
+    def token(self, token: int) -> Interval:
+        lp = self.row.known.get(token)
+        if lp is not None:
+            p = math.exp(lp)
+            return Interval(p, p)
+        return Interval(0.0, self.unknown)
+
+    def tokens(self, ids: Sequence[int]) -> Interval:
+        """The probability of a string several ids spell (summed, as GaC's union map sums)."""
+        known = sum(math.exp(self.row.known[t]) for t in ids if t in self.row.known)
+        missing = sum(1 for t in ids if t not in self.row.known)
+        return Interval(known, known + min(self.left, missing * self.unknown))
+
+
+def _normalised(views: Sequence[View]) -> list[float]:
+    total = sum(v.weight for v in views)
+    return [v.weight / total for v in views]
+
+
+def _top_keys(view: View, k: int) -> list[bytes]:
+    row = view.logprobs
+    assert isinstance(row, TopLogprobs)
+    return [view.vocab.keys[i] for i in row.ids[:k]]
+
+
+def _unique_winner(scores: dict[bytes, Interval], others_high: float = -math.inf) -> bytes | None:
+    """The key whose low bound beats every other key's high bound (and ``others_high``)."""
+    if not scores:
+        return None
+    best = max(scores, key=lambda k: scores[k].low)
+    rival = max([others_high, *(v.high for k, v in scores.items() if k != best)])
+    return best if scores[best].low > rival + MARGIN else None
+
+
+def _sharpened(
+    choice: Choice,
+    best_score: Interval,
+    scores: dict[bytes, Interval],
+    drafter_top: list[bytes],
+    candidates: list[bytes],
+    lam: float,
+) -> Choice | None:
+    """:func:`lm_eval_safe.aggregate._sharpen` and the comparison after it, on intervals."""
+    sharpened = dict(scores)
+    absorbed: dict[bytes, list[bytes]] = {}
+    for s in drafter_top:
+        if s not in scores:
+            continue
+        if s.strip() == b"" or s.startswith(b"\x00"):
+            continue  # aggregate._can_absorb refuses these whatever their probability
+        absorbs = scores[s].above(lam)
+        if absorbs is None:
+            return None
+        if not absorbs:
+            continue
+        extensions = [c for c in candidates if c != s and c.startswith(s)]
+        absorbed[s] = extensions
+        total = scores[s]
+        for c in extensions:
+            total = total + scores.get(c, ZERO)
+        sharpened[s] = total
+    winner = _unique_winner(sharpened)
+    if winner is None:
+        return None
+    if winner == choice.key:
+        extensions = absorbed.get(winner, [])
+        gain_low = sum(scores.get(c, ZERO).low for c in extensions)
+        gain_high = sum(scores.get(c, ZERO).high for c in extensions)
+        if gain_high <= 0.0:
+            return choice
+        if gain_low <= 0.0:
+            return None
+        return Choice(winner, sharpened[winner].low, True)
+    if sharpened[winner].low > best_score.high + MARGIN:
+        return Choice(winner, sharpened[winner].low, True)
+    if sharpened[winner].high < best_score.low - MARGIN:
+        return choice
+    return None
+
+
+def certified_gac(
+    views: Sequence[View], union: UnionVocabulary, sharpen: str, lam: float, top_k: int
+) -> Choice | None:
+    """:func:`lm_eval_safe.aggregate.gac` from heads, or None where they do not settle it."""
+    weights = _normalised(views)
+    if sharpen == "geometric" and any(w <= 0 for w in weights):
+        return None  # 0 * log 0 in the exact rule: leave it to the full distributions
+    heads = []
+    for view, weight in zip(views, weights, strict=True):
+        assert isinstance(view.logprobs, TopLogprobs)
+        heads.append(Head(view.logprobs, weight))
+    seen = list(
+        dict.fromkeys(view.vocab.keys[t] for view in views for t in view.logprobs.known)  # type: ignore[union-attr]
+    )
+    per_member = [
+        {key: head.tokens(view.vocab.ids_of.get(key, ())) for key in seen}
+        for view, head in zip(views, heads, strict=True)
+    ]
+    unseen = [min(h.left, view.vocab.most_ids_per_key * h.unknown) for view, h in zip(views, heads, strict=True)]
+    if sharpen == "geometric":
+        scores: dict[bytes, Interval] = {}
+        for key in seen:
+            total = ZERO
+            for member, weight in zip(per_member, weights, strict=True):
+                total = total + member[key].log().scaled(weight)
+            scores[key] = total
+        unseen_high = sum(w * _log(u) for w, u in zip(weights, unseen, strict=True))
+        finite = {k: v for k, v in scores.items() if v.low > -math.inf}
+        best = _unique_winner(finite, max([unseen_high, *(v.high for k, v in scores.items() if k not in finite)]))
+        if best is None:
+            return None
+        return Choice(best, math.exp(scores[best].low), False)
+    mixture = {
+        key: sum((m[key].scaled(w) for m, w in zip(per_member, weights, strict=True)), ZERO)
+        for key in seen
+    }
+    unseen_high = sum(w * u for w, u in zip(weights, unseen, strict=True))
+    best = _unique_winner(mixture, unseen_high)
+    if best is None:
+        return None
+    choice = Choice(best, mixture[best].low, False)
+    if sharpen != "heuristic":
+        return choice
+    trigger = mixture[best].above(SHARPEN_THRESHOLD)
+    if trigger is None:
+        return None
+    if trigger:  # the maximum is at least 0.5: no sharpening
+        return choice
+    candidates = list(dict.fromkeys(k for view in views for k in _top_keys(view, top_k)))
+    scores = {key: mixture[key] for key in candidates if key in mixture}
+    return _sharpened(choice, mixture[best], scores, _top_keys(views[0], top_k), candidates, lam)
+
+
+def _unite_member(view: View, head: Head, keys: list[bytes]) -> dict[bytes, Interval]:
+    """One member's row of UniTE's table (its softmax over the union of top-k strings), as
+    intervals: a string it has no id for, or cannot spell, is 0 there as in the exact rule."""
+    entries: list[int | None] = [member_token_for(view, key) for key in keys]
+    known_total = sum(head.token(t).low for t in entries if t is not None and t in head.row.known)
+    counts: dict[int, int] = {}
+    for t in entries:
+        if t is not None and t not in head.row.known:
+            counts[t] = counts.get(t, 0) + 1
+    unknown_high = min(
+        sum(counts.values()) * head.unknown, max(counts.values(), default=0) * head.left
+    )
+    row: dict[bytes, Interval] = {}
+    for key, t in zip(keys, entries, strict=True):
+        if t is None:
+            row[key] = ZERO
+        elif t in head.row.known:
+            p = head.token(t).low
+            row[key] = Interval(p / (known_total + unknown_high), p / known_total)
+        else:
+            c = head.unknown
+            row[key] = Interval(0.0, c / (known_total + counts[t] * c) if c > 0 else 0.0)
+    return row
+
+
+def certified_unite(views: Sequence[View], sharpen: str, lam: float, top_k: int) -> Choice | None:
+    """:func:`lm_eval_safe.aggregate.unite` from heads, or None where they do not settle it."""
+    weights = _normalised(views)
+    keys = list(dict.fromkeys(k for view in views for k in _top_keys(view, top_k)))
+    heads = []
+    for view, weight in zip(views, weights, strict=True):
+        assert isinstance(view.logprobs, TopLogprobs)
+        heads.append(Head(view.logprobs, weight))
+    rows = []
+    for view, head in zip(views, heads, strict=True):
+        row = _unite_member(view, head, keys)
+        known = [t for t in row.values() if t.low > 0]
+        if not known:
+            return None  # a member none of whose entries is known: its normaliser is unbounded
+        rows.append(row)
+    if sharpen == "geometric":
+        scores = {
+            key: sum((r[key].log().scaled(w) for r, w in zip(rows, weights, strict=True)), ZERO)
+            for key in keys
+        }
+        finite = {k: v for k, v in scores.items() if v.low > -math.inf}
+        best = _unique_winner(finite, max([-math.inf, *(v.high for k, v in scores.items() if k not in finite)]))
+        if best is None:
+            return None
+        return Choice(best, math.exp(scores[best].low), False)
+    total = {
+        key: sum((r[key].scaled(w) for r, w in zip(rows, weights, strict=True)), ZERO) for key in keys
+    }
+    best = _unique_winner(total)
+    if best is None:
+        return None
+    choice = Choice(best, total[best].low, False)
+    if sharpen != "heuristic":
+        return choice
+    trigger = total[best].above(SHARPEN_THRESHOLD)
+    if trigger is None:
+        return None
+    if trigger:
+        return choice
+    return _sharpened(choice, total[best], total, _top_keys(views[0], top_k), keys, lam)
+
+
+def certified_consensus(
+    verifier_argmax_is_own: Sequence[bool], own: Sequence[Interval], weights: Sequence[float]
+) -> bool | None:
+    """SAFE's skip rule (:func:`lm_eval_safe.schedules.consensus`) on bounds of each member's
+    probability of its own next token; None when the bounds straddle rule (b)'s 0.5."""
+    if all(verifier_argmax_is_own):
+        return True
+    total = sum(weights)
+    mean = Interval(
+        sum(w * p.low for w, p in zip(weights, own, strict=True)) / total,
+        sum(w * p.high for w, p in zip(weights, own, strict=True)) / total,
+    )
+    return mean.above(0.5)

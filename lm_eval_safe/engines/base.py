@@ -1,0 +1,237 @@
+"""The engine seam: what the decoder and the scorer ask of a member's compute, and nothing more.
+
+The decoder never runs a model itself. A request's loop yields coarse calls, one member at a
+time, and the batch driver hands every row's calls for one member to that member's
+:class:`EngineBatch` at once:
+
+- :class:`Draft`: feed these ids, then draft up to ``n`` tokens (argmax, or draws of the
+  request's sampler), returning each token with the distribution it came from;
+- :class:`Forward`: feed these ids and return the next-token distributions after the listed
+  positions (a verifier scoring a drafted window);
+- :class:`Complete`: the whole next-token distribution at positions an engine first answered
+  with its head only (rare: a decision the head cannot certify, sampling from the ensemble).
+
+Calls speak of a row's *sequence* (prompt ids, then generated ids): ``keep`` says how many of
+its leading ids stay as they were, ``ids`` what follows them. How an engine keeps those ids
+(transformers: a KV cache row per request; vLLM: the whole sequence re-submitted, its prefix
+read from vLLM's prefix cache) is its own business, as vLLM's ``v1/engine`` client never sees
+how the core batches or caches.
+
+An answered position (a :data:`Row`) is either the full log-softmax over the member's tokenizer
+ids (a 1-D tensor: what the transformers engine computes anyway) or a :class:`TopLogprobs`: the
+``K`` most probable ids and the log-probs of every other id the engine was asked about (the
+drafted or scored token). What the decoder decides from a :class:`TopLogprobs` it decides
+exactly or not at all (:mod:`lm_eval_safe.certified`); the rest asks :class:`Complete`.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(eq=False)
+class TopLogprobs:
+    """One position's next-token distribution as far as an engine returned it.
+
+    ``ids``/``logprobs``: the most probable ids, best first (at least one). ``known``: every id
+    whose log-prob is known, those included (an engine also returns the token it drafted or
+    was asked to score, wherever it ranks). No id outside ``known`` is more probable than the
+    last of ``ids`` (:attr:`ceiling`), and together they hold :attr:`remaining` of the mass.
+    ``handle`` is the engine's own note of where the position is, for :class:`Complete`.
+    """
+
+    ids: list[int]
+    logprobs: list[float]
+    known: dict[int, float]
+    handle: Any = None
+
+    @property
+    def argmax(self) -> int:
+        return self.ids[0]
+
+    @property
+    def max_logprob(self) -> float:
+        return self.logprobs[0]
+
+    @property
+    def ceiling(self) -> float:
+        """Probability no unknown id exceeds (that of the K-th most probable id)."""
+        return math.exp(self.logprobs[-1])
+
+    @property
+    def remaining(self) -> float:
+        """Probability mass of the ids outside ``known`` (never negative)."""
+        return max(0.0, 1.0 - sum(math.exp(lp) for lp in self.known.values()))
+
+    def probability_bounds(self, token: int) -> tuple[float, float]:
+        """``(low, high)`` of one id's probability: exact when known."""
+        lp = self.known.get(token)
+        if lp is not None:
+            p = math.exp(lp)
+            return p, p
+        return 0.0, min(self.ceiling, self.remaining)
+
+
+#: One answered position: the full log-softmax (transformers), or the head of it (vLLM).
+Row = torch.Tensor | TopLogprobs
+
+
+def is_full(row: Row) -> bool:
+    return isinstance(row, torch.Tensor)
+
+
+def row_argmax(row: Row) -> int:
+    if isinstance(row, torch.Tensor):
+        return int(torch.argmax(row))
+    return row.argmax
+
+
+def row_max_probability(row: Row) -> float:
+    """The largest next-token probability (GaC's gate, the threshold schedule)."""
+    if isinstance(row, torch.Tensor):
+        return float(row.max().exp())
+    return math.exp(row.max_logprob)
+
+
+def row_probability_bounds(row: Row, token: int) -> tuple[float, float]:
+    if isinstance(row, torch.Tensor):
+        p = float(row[token].exp())
+        return p, p
+    return row.probability_bounds(token)
+
+
+# -- calls ------------------------------------------------------------------------------------
+@dataclass
+class Forward:
+    """Keep ``keep`` ids of the row's sequence, feed ``ids`` after them and return the next-token
+    distribution after each index in ``want`` (indices into ``ids``): a list of :data:`Row`."""
+
+    member: int
+    keep: int
+    ids: list[int]
+    want: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Draft:
+    """Keep ``keep`` ids, feed ``ids``, then append up to ``n`` tokens: each the argmax of its
+    distribution, or with ``sampler`` (a :class:`~lm_eval_safe.sampling.RowSampler`) a draw from
+    the request's warped distribution; drafting stops after a token in ``stop_ids``. Answered
+    with a :class:`Drafted`. The drafted tokens are the row's sequence from then on, all but the
+    last fed (the next call's ``keep`` says what stays)."""
+
+    member: int
+    keep: int
+    ids: list[int]
+    n: int
+    stop_ids: frozenset[int] = frozenset()
+    sampler: Any = None
+
+
+@dataclass
+class Drafted:
+    tokens: list[int]
+    rows: list[Row]  # rows[i]: the distribution tokens[i] came from
+
+
+@dataclass
+class Complete:
+    """The full distributions (1-D log-softmax tensors) of rows this member's engine returned
+    as :class:`TopLogprobs`, in order."""
+
+    member: int
+    rows: list[TopLogprobs]
+
+
+Call = Forward | Draft | Complete
+
+
+# -- engines ----------------------------------------------------------------------------------
+@dataclass
+class EngineCounters:
+    """What an engine did, cumulative (the model reads differences, as with prefill counts)."""
+
+    calls: int = 0  # batched calls answered (one per member per batch step, all rows together)
+    seconds: float = 0.0  # wall time inside those calls
+    prefill_tokens: int = 0  # prompt tokens looked up (transformers) or submitted (vLLM)
+    prefill_tokens_saved: int = 0  # of those, states read from a prefix cache
+    full_rows: int = 0  # Complete positions served (engines that answer with top-K only)
+
+
+class EngineBatch(ABC):
+    """One member's state for the rows of a generation batch (a row per request)."""
+
+    @abstractmethod
+    def add_row(self) -> int:
+        """An empty row at the end of the batch; returns its index."""
+
+    @abstractmethod
+    def keep_rows(self, rows: list[int]) -> None:
+        """Drop every row not listed (finished requests); the listed rows keep their order."""
+
+    @abstractmethod
+    def run(self, calls: dict[int, Call]) -> dict[int, Any]:
+        """Answer every row's call (row index -> call) at once."""
+
+
+class MemberEngine(ABC):
+    """One member's compute: generation batches and the scoring of given continuations."""
+
+    #: "hf" or "vllm": what ``engine=`` names
+    kind: str
+    #: whether rows are full log-softmax tensors (else :class:`TopLogprobs`)
+    full_rows: bool
+
+    def __init__(self) -> None:
+        self.counters = EngineCounters()
+        self.member: Any = None  # the Member this engine computes (bound when it is built)
+
+    def bind(self, member: Any) -> None:
+        self.member = member
+
+    @abstractmethod
+    def new_batch(self) -> EngineBatch: ...
+
+    @abstractmethod
+    def score_tokens(
+        self,
+        pairs: Sequence[tuple[list[int], list[int]]],
+        batch_size: int | str,
+        max_batch_size: int,
+        progress: Callable[[int], Any] | None = None,
+    ) -> list[tuple[list[float], list[bool]]]:
+        """Per-token log-probs of each continuation given its context and whether each token is
+        the argmax, windowed as lm-eval's backend for this engine windows them."""
+
+    @property
+    @abstractmethod
+    def rolling_window(self) -> int:
+        """Tokens one loglikelihood_rolling window may predict (lm-eval's rule for the engine)."""
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether requests sharing a prompt prefix reuse its states (ordering pays off)."""
+        return False
+
+    def prefill_counts(self) -> tuple[int, int]:
+        """(prompt tokens looked up, of those read from a prefix cache), cumulative."""
+        return 0, 0
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Engine-specific settings for the calls run inside this block."""
+        yield
+
+    def describe(self) -> dict[str, Any]:
+        return {"engine": self.kind}
+
+    def identity(self) -> dict[str, Any]:
+        """What outputs depend on beyond the weights and dtype (``--use_cache`` keys)."""
+        return {}

@@ -1,0 +1,81 @@
+"""The transformers engine: members stepped by this project's own batches in this process (the
+embedded default, and the one every other engine is checked against).
+
+Its rows are full log-softmax tensors over the tokenizer's ids, so every decision the decoder
+takes on them is the exact one. Modules: :mod:`.loading` (model, device, dtype), :mod:`.batch`
+(one KV cache per member shared by a batch, per-row rollback), :mod:`.forward` and
+:mod:`.kv_cache` (transformers' internals, in one place), :mod:`.prefix_cache` (prompt prefixes
+shared across requests), :mod:`.small_rows` (CPU linears over few rows), :mod:`.placement`
+(``device``, ``member_devices``), :mod:`.scoring` (batched continuation scores).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from functools import cached_property
+from typing import Any
+
+from lm_eval_safe.engines.base import EngineBatch, MemberEngine
+
+
+class HFEngine(MemberEngine):
+    kind = "hf"
+    full_rows = True
+
+    def __init__(self, model: Any, device_map: str | None, small_rows: Any, prefix_store: Any):
+        super().__init__()
+        self.model = model
+        self.device_map = device_map
+        self.small_rows = small_rows  # SmallRowLinears: faster linears over few rows on this CPU
+        self.prefix_store = prefix_store  # PrefixStore: prompt prefixes shared across requests
+
+    @cached_property
+    def input_device(self) -> Any:
+        """The torch device of the input embedding layer: where input ids must go.
+
+        Equal to the member's device on one device; the first GPU of a member spread by
+        ``device_map``. Cached: it is read once per forward pass and weights never move."""
+        return self.model.get_input_embeddings().weight.device
+
+    def parameter_devices(self) -> list[str]:
+        """Every device holding some of the member's weights, sorted (one unless device_map)."""
+        return sorted({str(p.device) for p in self.model.parameters()})
+
+    def new_batch(self) -> EngineBatch:
+        from lm_eval_safe.engines.hf.batch import MemberBatch
+
+        return MemberBatch(self.member)
+
+    def score_tokens(
+        self,
+        pairs: Sequence[tuple[list[int], list[int]]],
+        batch_size: int | str,
+        max_batch_size: int,
+        progress: Callable[[int], Any] | None = None,
+    ) -> list[tuple[list[float], list[bool]]]:
+        from lm_eval_safe.engines.hf.scoring import score_tokens
+
+        return score_tokens(self.member, pairs, batch_size, max_batch_size, progress)
+
+    @property
+    def rolling_window(self) -> int:
+        return self.member.max_length
+
+    @property
+    def shares_prefixes(self) -> bool:
+        return self.prefix_store is not None
+
+    def prefill_counts(self) -> tuple[int, int]:
+        store = self.prefix_store
+        return (0, 0) if store is None else (store.looked_up_tokens, store.reused_tokens)
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        with self.small_rows.active():
+            yield
+
+    def describe(self) -> dict[str, Any]:
+        if not self.device_map:
+            return {"engine": self.kind}
+        return {"engine": self.kind, "device_map": self.device_map, "devices": self.parameter_devices()}

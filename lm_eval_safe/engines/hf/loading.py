@@ -1,0 +1,85 @@
+"""Loading a member as a transformers model in this process: device, dtype, ``device_map``,
+the prefix store and the small-row linears that go with it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lm_eval_safe.disk_cache import cache_root
+from lm_eval_safe.members import (
+    Member,
+    MemberSource,
+    checkpoint_folder,
+    config_max_length,
+    load_pretrained,
+    loading_errors,
+    pick_device,
+    pick_dtype,
+    resolve_source,
+)
+
+
+def load_weights(
+    source: MemberSource,
+    dtype: Any,
+    trust_remote_code: bool,
+    cache_dir: str | None,
+    device_map: str | None = None,
+) -> tuple[Any, Any]:
+    """Model and tokenizer of a source; GGUF goes through the converted-weights cache.
+
+    With ``device_map`` (``"auto"``: accelerate spreads the layers over the GPUs) the model is
+    loaded straight onto its devices; a GGUF is first de-quantized on cpu into the cache and
+    then loaded from there (always: the cache is the one way a GGUF member is loaded), so a
+    member too large for one GPU never has to fit on one. The first run loads the folder it just
+    wrote, as every later run does: one code path, the same model object (its name_or_path is
+    the folder, which lm-eval's ``hf`` can load)."""
+    location = checkpoint_folder(source, dtype, trust_remote_code, cache_dir)
+    with loading_errors(source):
+        return load_pretrained(location, dtype, trust_remote_code, device_map)
+
+
+def load_hf_member(
+    spec: str,
+    *,
+    index: int = 0,
+    device: str | None = None,
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+    cache_dir: str | None = None,
+    max_length: int | None = None,
+    add_bos_token: bool | None = None,
+    device_map: str | None = None,
+    fast_small_linear: str = "auto",
+    prefix_cache_mb: float = 256,
+) -> Member:
+    """Load one member onto ``device`` (checked: a device this machine lacks is an error), or
+    with ``device_map="auto"`` spread by accelerate over the GPUs (``device`` then only picks
+    the dtype: bfloat16 for ``cuda`` under ``dtype=auto``)."""
+    from lm_eval_safe.engines.hf import HFEngine
+    from lm_eval_safe.engines.hf.prefix_cache import PrefixStore
+    from lm_eval_safe.engines.hf.small_rows import SmallRowLinears
+
+    source = resolve_source(spec, cache_dir)
+    device = pick_device(device)
+    torch_dtype = pick_dtype(dtype, device)
+    model, tokenizer = load_weights(source, torch_dtype, trust_remote_code, cache_dir, device_map)
+    if device_map is None:
+        model.to(device)  # a dispatched model must not be moved: accelerate's hooks own it
+    model.eval()
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    small_rows = SmallRowLinears(model, fast_small_linear, cache_root(cache_dir), source.name)
+    store = PrefixStore(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None
+    return Member(
+        source=source,
+        tokenizer=tokenizer,
+        config=model.config,
+        generation_config=model.generation_config,
+        engine=HFEngine(model, device_map, small_rows, store),
+        device=device,
+        dtype=torch_dtype,
+        max_length=config_max_length(model.config, tokenizer, max_length),
+        add_bos_token=add_bos_token,
+        index=index,
+    )
