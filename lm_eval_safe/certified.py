@@ -23,6 +23,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from lm_eval_safe.aggregate import (
     SHARPEN_THRESHOLD,
     Choice,
@@ -38,6 +40,18 @@ MARGIN = 1e-7
 #: Added to the mass an engine's head leaves (1 - the sum of its probabilities, computed from
 #: float32 log-probs that may sum to slightly more than 1), so a bound is never too tight.
 MASS_SLACK = 1e-5
+
+
+def as_head(view: View, k: int) -> View:
+    """A full row as a head of ``k`` ids, so members on a transformers engine and on a head-only
+    one decide together (``engines=hf,vllm``); heads stay as they are."""
+    row = view.logprobs
+    if isinstance(row, TopLogprobs):
+        return view
+    top = torch.topk(row, min(k, row.numel()))
+    ids, logprobs = top.indices.tolist(), top.values.tolist()
+    head = TopLogprobs(ids, logprobs, dict(zip(ids, logprobs, strict=True)))
+    return View(head, view.vocab, view.tokenizer, view.weight)
 
 
 @dataclass(frozen=True)

@@ -212,7 +212,8 @@ class SafeDecoder:
             n = state.schedule.draft_size(state.window, budget)
             cycle = CycleForwards(verifiers=[[] for _ in state.verifiers])
             drafted_before = state.drafter.drafted
-            tokens, logprobs = yield from state.drafter.draft(n)
+            alone = not state.schedule.needs_verifiers
+            tokens, logprobs = yield from state.drafter.draft(n, tuple(until) if alone else ())
             cycle.drafter = state.drafter.drafted - drafted_before
             state.cycles.append(cycle)
             stats.cycles += 1

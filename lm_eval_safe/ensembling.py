@@ -22,7 +22,7 @@ from lm_eval_safe.aggregate import (
     unite,
     unite_distribution,
 )
-from lm_eval_safe.certified import certified_gac, certified_unite
+from lm_eval_safe.certified import as_head, certified_gac, certified_unite
 from lm_eval_safe.disk_cache import cache_root
 from lm_eval_safe.engines.base import Complete, is_full
 from lm_eval_safe.members import Member
@@ -70,12 +70,14 @@ class Ensembler:
         engine heads (:mod:`lm_eval_safe.certified`): the same string, or None where the heads
         do not settle it (the caller then completes the views)."""
         o = self.options
-        full = all(is_full(v.logprobs) for v in views)
+        if all(is_full(v.logprobs) for v in views):
+            if o.aggregator == "gac":
+                return gac(views, self.union, o.sharpen, o.sharpen_lambda, o.top_k)
+            return unite(views, o.sharpen, o.sharpen_lambda, o.top_k)
+        heads = [as_head(v, o.top_logprobs) for v in views]
         if o.aggregator == "gac":
-            decide = gac if full else certified_gac
-            return decide(views, self.union, o.sharpen, o.sharpen_lambda, o.top_k)
-        decide_unite = unite if full else certified_unite
-        return decide_unite(views, o.sharpen, o.sharpen_lambda, o.top_k)
+            return certified_gac(heads, self.union, o.sharpen, o.sharpen_lambda, o.top_k)
+        return certified_unite(heads, o.sharpen, o.sharpen_lambda, o.top_k)
 
     # -- sampled ----------------------------------------------------------------------------
     def sample(

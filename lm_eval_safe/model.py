@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections import deque
 from typing import Any
@@ -68,22 +69,35 @@ class SafeEnsembleLM(LM):
             source = resolve_source(spec, opts.cache_dir)
             if source.kind == "gguf":
                 check_gguf_file(source)
-        self.members: list[Member] = [
-            load_member(
-                spec,
-                index=i,
-                device=self.placements[i].device,
-                device_map=self.placements[i].device_map,
-                dtype=opts.dtype,
-                trust_remote_code=opts.trust_remote_code,
-                cache_dir=opts.cache_dir,
-                max_length=opts.max_length,
-                add_bos_token=opts.add_bos_token,
-                fast_small_linear=opts.fast_small_linear,
-                prefix_cache_mb=opts.prefix_cache_mb,
-            )
-            for i, spec in enumerate(opts.members)
-        ]
+        engines = opts.member_engines()
+        vllm_plans = iter(())
+        if "vllm" in engines:  # checked (installed, known arguments) before any member loads
+            from lm_eval_safe.engines.vllm.loading import plan_vllm_members
+
+            local_rank = int(os.environ.get("LOCAL_RANK", self._rank))
+            vllm_plans = iter(plan_vllm_members(opts, self.placements, self._world_size, local_rank))
+        common = {
+            "dtype": opts.dtype,
+            "trust_remote_code": opts.trust_remote_code,
+            "cache_dir": opts.cache_dir,
+            "max_length": opts.max_length,
+            "add_bos_token": opts.add_bos_token,
+        }
+        self.members: list[Member] = []
+        for i, spec in enumerate(opts.members):
+            if engines[i] == "vllm":
+                member = load_member(spec, engine="vllm", index=i, **common, **next(vllm_plans))
+            else:
+                member = load_member(
+                    spec,
+                    index=i,
+                    device=self.placements[i].device,
+                    device_map=self.placements[i].device_map,
+                    fast_small_linear=opts.fast_small_linear,
+                    prefix_cache_mb=opts.prefix_cache_mb,
+                    **common,
+                )
+            self.members.append(member)
         self.decoder = SafeDecoder(self.members, self.drafter_index, opts)
         self.traces: TraceWriter | None = None
         if opts.trace:  # every rank names its files after rank 0's start
@@ -284,10 +298,14 @@ class SafeEnsembleLM(LM):
                 key = {"task": request.task_name, "doc_id": request.doc_id, "repeat": repeats[index]}
                 writer.write(request.task_name, {**key, **record})
 
+        engine_before = [(m.engine.counters.calls, m.engine.counters.seconds) for m in self.members]
         outputs = self.decoder.generate_many(jobs, batch_size, on_done=finished, on_trace=on_trace)
         progress.close()
         # per-request wall times overlap in a batch: the run's time is the elapsed time
         call_stats.wall_seconds = time.perf_counter() - started if jobs else 0.0
+        for member, (calls, seconds) in zip(self.members, engine_before, strict=True):
+            call_stats.engine_calls += member.engine.counters.calls - calls
+            call_stats.engine_seconds += member.engine.counters.seconds - seconds
         self.run_stats.add(call_stats)
         self._count_prefill()
         if requests and self.decoder.schedule.needs_verifiers:

@@ -19,6 +19,7 @@ LL_AGGREGATES = ("mean", "logmean")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 FAST_SMALL_LINEAR = ("auto", "on", "off")
 OVERLAP = ("auto", "on", "off")
+ENGINES = ("hf", "vllm")  # lm_eval_safe.engines
 
 
 class OptionError(ValueError):
@@ -216,12 +217,22 @@ class SafeOptions:
     seed: int | None = None  # sampling: None = lm-eval's torch seed (torch.initial_seed())
     trace: bool = False  # a JSON line per response: where the ensemble acted (tracing.py)
     trace_dir: str | None = None  # where traces go (default: lm-eval's samples folder)
+    engine: str = "hf"  # what computes every member (lm_eval_safe.engines)
+    engines: list[str] | None = None  # or one engine per member
+    top_logprobs: int = 20  # log-probs per position an engine that returns heads gives (vLLM)
+    # model_args for vLLM members' engines (lm-eval vllm's names, EngineArgs fields): checked
+    # against the installed vLLM when the model is built (engines/vllm/args.py)
+    engine_args: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def public_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data.pop("extra")
         return data
+
+    def member_engines(self) -> list[str]:
+        """The engine of each member, in member order."""
+        return list(self.engines) if self.engines else [self.engine] * len(self.members)
 
     def member_weights(self, members: int) -> list[float]:
         """One weight per member: as given, or equal."""
@@ -261,7 +272,7 @@ OUTPUT_OPTIONS: tuple[str, ...] = (
 )
 
 
-_KNOWN = {f.name for f in fields(SafeOptions)} - {"extra"}
+_KNOWN = {f.name for f in fields(SafeOptions)} - {"extra", "engine_args"}
 # Keys lm-eval itself passes or that users commonly pass to every backend; accepted, not used.
 _IGNORED = {"max_batch_size_auto", "pretrained", "parallelize"}
 
@@ -272,17 +283,28 @@ def parse_options(raw: dict[str, Any]) -> SafeOptions:
     unknown = sorted(k for k in raw if k not in _KNOWN and k not in _IGNORED)
     if "pretrained" in raw and "members" not in raw:
         raw["members"] = raw["pretrained"]
-    if unknown:
-        raise OptionError(
-            f"unknown model_args key(s) {', '.join(map(repr, unknown))} for safe-ensemble; "
-            f"known keys: {', '.join(sorted(_KNOWN))}"
-        )
     members = split_list(raw.get("members"), "members")
     if not members:
         raise OptionError(
             "safe-ensemble needs members=, e.g. --model_args members=smollm2-135m,gemma3-270m"
         )
     opts = SafeOptions(members=members)
+    _parse_engines(opts, raw)
+    if unknown and "vllm" in opts.member_engines():
+        # the arguments of lm-eval's vllm backend and vLLM's EngineArgs; checked against the
+        # installed vLLM before any member loads
+        opts.engine_args = {k: raw[k] for k in unknown}
+        if "max_model_len" in raw:
+            if raw.get("max_length") not in (None, ""):
+                raise OptionError("give max_length= or max_model_len=, not both (they are one setting)")
+            raw["max_length"] = opts.engine_args.pop("max_model_len")
+        if "max_batch_size" in raw and "max_num_seqs" not in raw:
+            opts.engine_args["max_num_seqs"] = raw["max_batch_size"]
+    elif unknown:
+        raise OptionError(
+            f"unknown model_args key(s) {', '.join(map(repr, unknown))} for safe-ensemble; "
+            f"known keys: {', '.join(sorted(_KNOWN))}"
+        )
     if raw.get("drafter") not in (None, ""):
         opts.drafter = str(raw["drafter"]).strip()
     for key, choices in (
@@ -302,7 +324,7 @@ def parse_options(raw: dict[str, Any]) -> SafeOptions:
     if str(raw.get("draft_len", "")).strip().lower() == "auto":
         raw["draft_len"] = None
         opts.draft_len = "auto"
-    for key in ("top_k", "draft_len", "max_batch_size", "max_gen_toks", "max_length"):
+    for key in ("top_k", "draft_len", "max_batch_size", "max_gen_toks", "max_length", "top_logprobs"):
         if raw.get(key) is not None:
             setattr(opts, key, _as_number(raw[key], key, int))
     for key in ("trust_remote_code", "verifier_cache", "trace"):
@@ -330,8 +352,34 @@ def parse_options(raw: dict[str, Any]) -> SafeOptions:
     return opts
 
 
+def _parse_engines(opts: SafeOptions, raw: dict[str, Any]) -> None:
+    """``engine=hf|vllm`` for every member, or ``engines=`` one per member (not both)."""
+    if raw.get("engine") not in (None, ""):
+        opts.engine = _choice(raw["engine"], "engine", ENGINES)
+    if raw.get("engines") not in (None, ""):
+        if raw.get("engine") not in (None, ""):
+            raise OptionError("give engine= (every member) or engines= (one per member), not both")
+        opts.engines = [_choice(e, "engines entry", ENGINES) for e in split_list(raw["engines"], "engines")]
+        if len(opts.engines) != len(opts.members):
+            raise OptionError(
+                f"engines has {len(opts.engines)} entries for {len(opts.members)} members; give "
+                "one per member, e.g. engines=vllm,hf"
+            )
+
+
 def _validate(opts: SafeOptions) -> None:
     n = len(opts.members)
+    if "vllm" in opts.member_engines():
+        if opts.top_logprobs < opts.top_k:
+            raise OptionError(
+                f"top_logprobs={opts.top_logprobs} is below top_k={opts.top_k}: vLLM members must "
+                "return at least the top_k strings the aggregator reads"
+            )
+        if opts.overlap == "on":
+            raise OptionError(
+                "overlap=on runs transformers members on threads of their own; vLLM members "
+                "overlap inside their engines: drop overlap=on"
+            )
     if opts.draft_len != "auto" and int(opts.draft_len) < 1:
         raise OptionError(f"draft_len={opts.draft_len} must be at least 1 (or auto)")
     if opts.top_k < 1:

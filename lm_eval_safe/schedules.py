@@ -121,6 +121,11 @@ class DrafterAlone(Schedule):
     name = "drafter"
     needs_verifiers = False
 
+    def draft_size(self, window: DraftWindow, budget: int) -> int:
+        """Nothing to verify: an engine that stops at stop strings itself drafts the whole
+        budget in one call (greedy drafting gives the same tokens in any window)."""
+        return budget if self.drafter.engine.stops_on_text else min(window.size, budget)
+
     def points(
         self, draft: Draft, verifiers: list[VerifierRun], stats: GenerationStats, sampled: bool
     ) -> Steps:

@@ -34,6 +34,10 @@ class GenerationStats:
     verifier_forwards: dict[str, int] = field(default_factory=dict)  # per verifier member
     forward_depth: float = 0.0  # forwards one after another, verifiers after each draft
     forward_depth_overlapped: float = 0.0  # modelled, verifiers beside the next draft
+    # batched engine calls (one per member per batch step, all rows together) and the wall time
+    # inside them: wall minus that is this package's own host work (run-wide, not per request)
+    engine_calls: int = 0
+    engine_seconds: float = 0.0
     wall_seconds: float = 0.0
 
     def add(self, other: GenerationStats) -> None:
@@ -80,6 +84,11 @@ class GenerationStats:
             data[f"{key}_per_token"] = (
                 round(getattr(self, key) / self.generated_tokens, 4) if self.generated_tokens else 0.0
             )
+        tokens = self.generated_tokens
+        data["engine_calls_per_token"] = round(self.engine_calls / tokens, 4) if tokens else 0.0
+        host = max(0.0, self.wall_seconds - self.engine_seconds)
+        data["host_ms_per_token"] = round(1000 * host / tokens, 3) if tokens else 0.0
+        data["engine_seconds"] = round(self.engine_seconds, 3)
         data["wall_seconds"] = round(self.wall_seconds, 3)
         return data
 

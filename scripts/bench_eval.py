@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Whole evaluation runs, side by side: lm-eval's ``hf`` on the drafter alone, ``safe-ensemble``
 with the drafter alone, and the ensemble, through ``lm_eval.simple_evaluate`` in one process.
+With ``--engine vllm`` the members run on vLLM, beside lm-eval's own ``vllm`` backend on the
+drafter alone and the same ensemble on transformers (``ensemble_hf``).
 
 Why this benchmark: a user judges the backend by what a whole ``lm_eval`` run costs next to
 lm-eval's own ``hf`` backend on one model, with real task prompts (few-shot exemplars, chat
@@ -18,6 +20,10 @@ Example (BBH, 3 subtasks x 6 questions sharing 3-shot exemplars, batch 8)::
 
     HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 .venv/bin/python scripts/bench_eval.py \\
         --drafter gemma3-270m --verifiers smollm2-135m --limit 6 --batch-size 8 --max-gen-toks 96
+
+On vLLM (an environment from ``bash scripts/setup.sh --vllm``), batch ``auto``::
+
+    .venv-vllm/bin/python scripts/bench_eval.py --engine vllm --limit 8 --batch-size auto
 """
 
 from __future__ import annotations
@@ -41,6 +47,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from lm_eval_safe.bench.output import fmt, write_json_report  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+#: Every run a report may hold, in the order of the first round.
+RUNS = ("hf", "vllm", "alone", "ensemble", "ensemble_hf")
+LABELS = {
+    "hf": "lm-eval hf, drafter alone",
+    "vllm": "lm-eval vllm, drafter alone",
+    "alone": "safe-ensemble, drafter alone",
+    "ensemble": "safe-ensemble, ensemble",
+    "ensemble_hf": "safe-ensemble, ensemble on transformers",
+}
 DEFAULT_TASKS = (
     "safe_bbh_date_understanding,safe_bbh_logical_deduction_three_objects,safe_bbh_navigate"
 )
@@ -54,7 +69,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--verifiers", default="smollm2-135m", help="comma list")
     p.add_argument("--tasks", default=DEFAULT_TASKS, help="comma list of task names")
     p.add_argument("--limit", type=int, default=6, help="documents per task")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", default="8", help="an integer or auto")
+    p.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="the members' engine")
+    p.add_argument(
+        "--vllm-args",
+        default="enforce_eager=true,kv_cache_memory_bytes=1073741824",
+        help="model_args of every vLLM run (safe-ensemble's and lm-eval's vllm)",
+    )
     p.add_argument("--max-gen-toks", type=int, default=96)
     p.add_argument("--repeats", type=int, default=1, help="rounds; order reverses every round")
     p.add_argument(
@@ -66,13 +87,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--apply-chat-template", action="store_true")
     p.add_argument("--data-dir", default=str(REPO_ROOT.parent / "shared" / "data"))
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    p.add_argument("--skip", default="", help="comma list of runs to skip: hf, alone, ensemble")
+    p.add_argument(
+        "--skip",
+        default="",
+        help="comma list of runs to skip: hf, alone, ensemble (and with --engine vllm: vllm, ensemble_hf)",
+    )
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--markdown", default=None, help="write a markdown table here")
     return p.parse_args(argv)
 
 
-def model_args(members: list[str], extra: str, batch_size: int) -> str:
+def model_args(members: list[str], extra: str, batch_size: int | str) -> str:
     args = f"members={'|'.join(members)},batch_size={batch_size}"
     return f"{args},{extra}" if extra else args
 
@@ -95,14 +120,13 @@ def scores(results: dict[str, Any]) -> dict[str, float]:
 
 
 def reset_stores(lm: Any) -> None:
-    from lm_eval_safe.engines.hf.prefix_cache import PrefixStore
-
-    for member in lm.members:
-        if member.engine.prefix_store is not None:
-            member.engine.prefix_store = PrefixStore(member.engine.prefix_store.budget)
-    lm._prefill_counted = [(0, 0) for _ in lm.members]
+    """Empty every prefix cache (this package's stores, vLLM's), so that no run inherits the
+    prompts an earlier run computed, and start the run's statistics afresh."""
     from lm_eval_safe.stats import GenerationStats
 
+    for member in lm.members:
+        member.engine.forget_prefixes()
+    lm._prefill_counted = [member.engine.prefill_counts() for member in lm.members]
     lm.run_stats = GenerationStats()
 
 
@@ -117,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
+    from lm_eval_safe.engines.hf.batch import AUTO_CPU_ROWS
     from lm_eval_safe.model import SafeEnsembleLM
 
     tasks = [t for t in args.tasks.split(",") if t]
@@ -127,29 +152,57 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     started = time.perf_counter()
-    alone = SafeEnsembleLM.create_from_arg_string(
-        model_args([args.drafter], args.alone_args, args.batch_size)
-    )
-    ensemble = SafeEnsembleLM.create_from_arg_string(
-        model_args(
-            [args.drafter, *verifiers],
-            ",".join(a for a in (args.alone_args, args.ensemble_args) if a),
-            args.batch_size,
+    batch = args.batch_size if args.batch_size == "auto" else int(args.batch_size)
+    vllm = args.engine == "vllm"
+    engine = f"engine=vllm,{args.vllm_args}" if vllm else ""
+    alone_args = ",".join(a for a in (args.alone_args, engine) if a)
+    ensemble_args = ",".join(a for a in (args.alone_args, args.ensemble_args) if a)
+    models: dict[str, Any] = {}
+    if "alone" not in skip:
+        models["alone"] = SafeEnsembleLM.create_from_arg_string(
+            model_args([args.drafter], alone_args, batch)
         )
-    )
-    drafter = alone.members[0]
-    hf = HFLM(
-        pretrained=drafter.engine.model,
-        tokenizer=drafter.tokenizer,
-        batch_size=args.batch_size,
-        max_length=drafter.max_length,
-        device=str(drafter.device),
-    )
+    if "ensemble" not in skip:
+        models["ensemble"] = SafeEnsembleLM.create_from_arg_string(
+            model_args([args.drafter, *verifiers], ",".join(a for a in (ensemble_args, engine) if a), batch)
+        )
+    if vllm and "ensemble_hf" not in skip:
+        models["ensemble_hf"] = SafeEnsembleLM.create_from_arg_string(
+            model_args([args.drafter, *verifiers], ensemble_args, batch)
+        )
+    if vllm and "vllm" not in skip:
+        from lm_eval.models.vllm_causallms import VLLM
+
+        from lm_eval_safe.options import parse_model_args
+
+        on_vllm = models.get("alone") or models["ensemble"]
+        settings = {**on_vllm.drafter.engine.settings, **parse_model_args(args.vllm_args)}
+        folder = settings.pop("model")
+        settings = {k: v for k, v in settings.items() if k not in ("trust_remote_code", "max_logprobs")}
+        models["vllm"] = VLLM(pretrained=folder, batch_size=batch, **settings)
+    if "hf" not in skip:
+        hf_drafter = next(
+            (lm.drafter for lm in models.values() if isinstance(lm, SafeEnsembleLM) and lm.drafter.engine.kind == "hf"),
+            None,
+        )
+        if hf_drafter is None:
+            hf_drafter = SafeEnsembleLM.create_from_arg_string(model_args([args.drafter], "", batch)).drafter
+        models["hf"] = HFLM(
+            pretrained=hf_drafter.engine.model,
+            tokenizer=hf_drafter.tokenizer,
+            # lm-eval hf's own auto probes for out-of-memory errors, which a CPU never raises:
+            # the rows safe-ensemble's auto takes on a CPU
+            batch_size=AUTO_CPU_ROWS if batch == "auto" else batch,
+            max_length=hf_drafter.max_length,
+            device=str(hf_drafter.device),
+        )
     loaded = time.perf_counter() - started
 
     def evaluate(lm: Any, limit: int, log: bool = True) -> tuple[dict[str, Any], float]:
         if isinstance(lm, SafeEnsembleLM):
             reset_stores(lm)
+        elif lm is models.get("vllm"):
+            lm.model.reset_prefix_cache()
         start = time.perf_counter()
         results = lm_eval.simple_evaluate(
             model=lm,
@@ -166,18 +219,17 @@ def main(argv: list[str] | None = None) -> int:
     # one-time costs (token vocabularies, small-row timings, union vocabulary, the first
     # forward of each model, dataset loading) before timing
     warm_start = time.perf_counter()
-    for name, lm in (("hf", hf), ("alone", alone), ("ensemble", ensemble)):
-        if name not in skip:
-            evaluate(lm, 1, log=False)
+    for lm in models.values():
+        evaluate(lm, 1, log=False)
     warm = time.perf_counter() - warm_start
 
-    runs: dict[str, list[float]] = {"hf": [], "alone": [], "ensemble": []}
+    order = [name for name in RUNS if name in models]
+    runs: dict[str, list[float]] = {name: [] for name in order}
     outputs: dict[str, dict[str, Any]] = {}
     stats: dict[str, dict[str, Any]] = {}
-    order = [name for name in ("hf", "alone", "ensemble") if name not in skip]
     for round_ in range(args.repeats):
         for name in order if round_ % 2 == 0 else order[::-1]:
-            lm = {"hf": hf, "alone": alone, "ensemble": ensemble}[name]
+            lm = models[name]
             results, wall = evaluate(lm, args.limit)
             runs[name].append(wall)
             outputs[name] = results
@@ -186,16 +238,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {round_ + 1} {name}: {wall:.1f} s", flush=True)
 
     def median(name: str) -> float | None:
-        return statistics.median(runs[name]) if runs[name] else None
+        return statistics.median(runs[name]) if runs.get(name) else None
 
     def ratio(a: str, b: str) -> float | None:
         x, y = median(a), median(b)
         return x / y if x is not None and y else None
 
-    same = None
-    if "hf" in outputs and "alone" in outputs:
-        mine, theirs = responses(outputs["alone"]), responses(outputs["hf"])
-        same = (sum(mine[k] == theirs.get(k) for k in mine), len(mine))
+    def same(a: str, b: str) -> list[int] | None:
+        if a not in outputs or b not in outputs:
+            return None
+        mine, theirs = responses(outputs[a]), responses(outputs[b])
+        return [sum(mine[k] == theirs.get(k) for k in mine), len(mine)]
+
     report = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
         "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, {torch.get_num_threads()} threads",
@@ -208,10 +262,22 @@ def main(argv: list[str] | None = None) -> int:
         "load_seconds": round(loaded, 1),
         "warmup_seconds": round(warm, 1),
         "wall_seconds": runs,
+        "engine": args.engine,
         "ensemble_over_hf": ratio("ensemble", "hf"),
         "alone_over_hf": ratio("alone", "hf"),
         "ensemble_over_alone": ratio("ensemble", "alone"),
-        "alone_responses_equal_hf": same,
+        "alone_responses_equal_hf": same("alone", "hf"),
+        **(
+            {
+                "ensemble_over_lm_eval_vllm": ratio("ensemble", "vllm"),
+                "alone_over_lm_eval_vllm": ratio("alone", "vllm"),
+                "ensemble_vllm_over_ensemble_hf": ratio("ensemble", "ensemble_hf"),
+                "alone_responses_equal_lm_eval_vllm": same("alone", "vllm"),
+                "ensemble_responses_equal_ensemble_hf": same("ensemble", "ensemble_hf"),
+            }
+            if vllm
+            else {}
+        ),
         "scores": {name: scores(res) for name, res in outputs.items()},
         "safe_stats": stats,
     }
@@ -231,26 +297,21 @@ def markdown(report: dict[str, Any]) -> str:
         f"batch {report['batch_size']}, max_gen_toks {report['max_gen_toks']}; members {', '.join(report['members'])} "
         f"({report['ensemble_args'] or 'defaults'})",
         "",
-        "| run | wall s (median) | vs hf | vs safe-ensemble alone |",
+        f"| run | wall s (median) | vs lm-eval {'vllm' if report['wall_seconds'].get('vllm') else 'hf'} | vs safe-ensemble alone |",
         "|---|---:|---:|---:|",
     ]
     walls = report["wall_seconds"]
-    for name, label in (
-        ("hf", "lm-eval hf, drafter alone"),
-        ("alone", "safe-ensemble, drafter alone"),
-        ("ensemble", "safe-ensemble, ensemble"),
-    ):
-        if not walls[name]:
+    base = "vllm" if walls.get("vllm") else "hf"
+    for name in RUNS:
+        if not walls.get(name):
             continue
         med = statistics.median(walls[name])
-        hf = statistics.median(walls["hf"]) if walls["hf"] else None
-        al = statistics.median(walls["alone"]) if walls["alone"] else None
-        lines.append(
-            f"| {label} | {med:.1f} | {fmt(med / hf if hf else None)} | {fmt(med / al if al else None)} |"
-        )
-    same = report["alone_responses_equal_hf"]
-    if same:
-        lines += ["", f"safe-ensemble alone responses equal to hf's: {same[0]}/{same[1]}"]
+        ref = statistics.median(walls[base]) if walls.get(base) else None
+        al = statistics.median(walls["alone"]) if walls.get("alone") else None
+        lines.append(f"| {LABELS[name]} | {med:.1f} | {fmt(med / ref if ref else None)} | {fmt(med / al if al else None)} |")
+    for key in ("alone_responses_equal_hf", "alone_responses_equal_lm_eval_vllm", "ensemble_responses_equal_ensemble_hf"):
+        if report.get(key):
+            lines += ["", f"{key.replace('_', ' ')}: {report[key][0]}/{report[key][1]}"]
     return "\n".join(lines) + "\n"
 
 

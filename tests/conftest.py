@@ -49,6 +49,8 @@ TINY_SP_SEED = 1
 TINY_BPE_PADDED_SEED = 2
 TINY_GEMMA_SEED = 3
 TINY_VOCAB_PAD = 37  # Qwen-like: embedding rows beyond len(tokenizer)
+# vLLM's CPU attention kernels need a head size of at least 32 (the tiny models above use 16)
+VLLM_HIDDEN, VLLM_HEADS = 128, 4
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -60,6 +62,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "parity: real-model parity checks cheap enough to run on every supported version (with -m real)",
+    )
+    config.addinivalue_line(
+        "markers",
+        "vllm: needs vLLM installed (bash scripts/setup.sh --vllm); skipped without it unless LM_EVAL_SAFE_REQUIRE_VLLM=1",
     )
 
 
@@ -132,6 +138,43 @@ def tiny_gemma_dir(tmp_path_factory: pytest.TempPathFactory, _tiny_sp_parts: Par
     """SentencePiece-style tokenizer + tiny Gemma-3 (sliding window 8, soft-capped logits)."""
     tok, _ = _tiny_sp_parts
     return save_member(make_tiny_gemma3(tok, seed=TINY_GEMMA_SEED), tok, tmp_path_factory.mktemp("tiny_gemma"))
+
+
+@pytest.fixture(scope="session")
+def vllm_installed() -> None:
+    """Skip a test that needs vLLM where it is not installed (CI's vLLM environment sets
+    ``LM_EVAL_SAFE_REQUIRE_VLLM=1``: there a missing vLLM is a failure, not a skip)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        if os.environ.get("LM_EVAL_SAFE_REQUIRE_VLLM") == "1":
+            pytest.fail("LM_EVAL_SAFE_REQUIRE_VLLM=1 but vllm is not installed")
+        pytest.skip("vLLM is not installed (bash scripts/setup.sh --vllm)")
+
+
+@pytest.fixture(scope="session")
+def tiny_bpe_vllm_dir(tmp_path_factory: pytest.TempPathFactory, _tiny_bpe_parts: Parts) -> Path:
+    """BPE tokenizer + tiny Llama with head size 32, which vLLM's CPU kernels run."""
+    tok, _ = _tiny_bpe_parts
+    model = make_tiny_causal_lm(tok, seed=TINY_BPE_SEED, hidden_size=VLLM_HIDDEN, num_heads=VLLM_HEADS)
+    return save_member(model, tok, tmp_path_factory.mktemp("tiny_bpe_vllm"))
+
+
+@pytest.fixture(scope="session")
+def tiny_sp_vllm_dir(tmp_path_factory: pytest.TempPathFactory, _tiny_sp_parts: Parts) -> Path:
+    """SentencePiece-style tokenizer + tiny Llama with head size 32."""
+    tok, _ = _tiny_sp_parts
+    model = make_tiny_causal_lm(tok, seed=TINY_SP_SEED, hidden_size=VLLM_HIDDEN, num_heads=VLLM_HEADS)
+    return save_member(model, tok, tmp_path_factory.mktemp("tiny_sp_vllm"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma_vllm_dir(tmp_path_factory: pytest.TempPathFactory, _tiny_sp_parts: Parts) -> Path:
+    """SentencePiece-style tokenizer + tiny Gemma-3 (sliding window, soft-capped logits) with
+    head size 32."""
+    tok, _ = _tiny_sp_parts
+    model = make_tiny_gemma3(tok, seed=TINY_GEMMA_SEED, head_dim=32)
+    return save_member(model, tok, tmp_path_factory.mktemp("tiny_gemma_vllm"))
 
 
 # --------------------------------------------------------------------------------------

@@ -97,6 +97,14 @@ def test_model_args_win_over_cli_device() -> None:
         ({"members": "a", "seed": "abc"}, "seed='abc' must be a whole number"),
         ({"members": "a", "seed": 1.5}, "seed=1.5 must be a whole number"),
         ({"members": "a", "seed": True}, "seed=True must be a whole number"),
+        ({"members": "a,b", "engine": "sglang"}, "unknown engine='sglang'; choose one of: hf, vllm"),
+        ({"members": "a,b", "engines": "vllm"}, "engines has 1 entries for 2 members"),
+        ({"members": "a,b", "engines": "vllm,tpu"}, "unknown engines entry='tpu'"),
+        ({"members": "a,b", "engine": "vllm", "engines": "vllm,hf"}, "give engine= (every member) or engines="),
+        ({"members": "a,b", "engine": "vllm", "overlap": "on"}, "drop overlap=on"),
+        ({"members": "a,b", "engine": "vllm", "top_logprobs": 5}, "top_logprobs=5 is below top_k=10"),
+        ({"members": "a,b", "engine": "vllm", "max_model_len": 99, "max_length": 99}, "not both"),
+        ({"members": "a,b", "gpu_memory_utilization": 0.5}, "unknown model_args key(s) 'gpu_memory_utilization'"),
     ],
 )
 def test_bad_options_fail_in_one_line(raw: dict, fragment: str) -> None:
@@ -113,6 +121,28 @@ def test_bad_options_fail_in_one_line(raw: dict, fragment: str) -> None:
 def test_batch_size_forms(value: object, expected: object) -> None:
     """``auto:N`` is lm-eval's syntax (re-measure N times); ``auto`` sizes every batch anyway."""
     assert parse_options({"members": "a", "batch_size": value}).batch_size == expected
+
+
+def test_vllm_arguments_are_kept_for_the_vllm_members() -> None:
+    """Keys safe-ensemble does not know are vLLM's when a member runs on vLLM (checked against
+    the installed vLLM when the model is built); lm-eval vllm's names map to vLLM's."""
+    opts = parse_options(
+        {"members": "a,b", "engines": "vllm,hf", "gpu_memory_utilization": "0.4", "max_model_len": "512", "max_batch_size": "16"}
+    )
+    assert opts.member_engines() == ["vllm", "hf"]
+    assert opts.engine_args == {"gpu_memory_utilization": "0.4", "max_num_seqs": "16"}
+    assert opts.max_length == 512 and opts.max_batch_size == 16
+
+
+def test_engine_vllm_without_vllm_says_the_command(monkeypatch, tiny_bpe_dir, tiny_sp_dir) -> None:
+    import importlib.util
+
+    from helpers import make_lm
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(OptionError, match=r"^engine=vllm needs vLLM, which is not installed here: pip install 'lm-eval-safe\[vllm\]' \(GPU machines\), or bash scripts/setup.sh --vllm"):
+        make_lm(tiny_bpe_dir, tiny_sp_dir, engine="vllm")
 
 
 def test_batch_size_errors_say_what_to_type() -> None:

@@ -19,7 +19,17 @@ from lm_eval_safe.latency import CycleForwards, forward_depth
 from lm_eval_safe.options import OptionError, parse_options
 from lm_eval_safe.overlap import overlap_enabled
 
-FORWARD_COUNTS = {"drafter_forwards", "speculative_dropped", "wall_seconds", "tokens_per_second"}
+# what overlap changes: forwards drafted ahead, so engine calls too, and the times
+FORWARD_COUNTS = {
+    "drafter_forwards",
+    "speculative_dropped",
+    "wall_seconds",
+    "tokens_per_second",
+    "engine_calls",
+    "engine_calls_per_token",
+    "engine_seconds",
+    "host_ms_per_token",
+}
 
 
 def _run(members: list[Path], prompts: list[str], **options):

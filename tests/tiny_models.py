@@ -479,7 +479,7 @@ def make_tiny_causal_lm(
 
 
 def make_tiny_gemma3(
-    tokenizer: PreTrainedTokenizerFast, seed: int, sliding_window: int = 8
+    tokenizer: PreTrainedTokenizerFast, seed: int, sliding_window: int = 8, head_dim: int = 16
 ) -> PreTrainedModel:
     """A tiny Gemma-3 text model: sliding-window and full-attention layers, soft-capped logits.
 
@@ -497,7 +497,7 @@ def make_tiny_gemma3(
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=head_dim,
         sliding_window=sliding_window,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         max_position_embeddings=512,

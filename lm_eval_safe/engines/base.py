@@ -133,6 +133,9 @@ class Draft:
     n: int
     stop_ids: frozenset[int] = frozenset()
     sampler: Any = None
+    #: stop strings an engine that drafts a whole budget in one call (``stops_on_text``) may
+    #: stop at: the draft then ends with the token completing one (the decoder cuts the text)
+    until: tuple[str, ...] = ()
 
 
 @dataclass
@@ -188,6 +191,9 @@ class MemberEngine(ABC):
     kind: str
     #: whether rows are full log-softmax tensors (else :class:`TopLogprobs`)
     full_rows: bool
+    #: whether one Draft call can run a whole budget and stop at stop strings itself (vLLM);
+    #: the drafter alone then drafts in one call instead of window by window
+    stops_on_text: bool = False
 
     def __init__(self) -> None:
         self.counters = EngineCounters()
@@ -223,6 +229,9 @@ class MemberEngine(ABC):
     def prefill_counts(self) -> tuple[int, int]:
         """(prompt tokens looked up, of those read from a prefix cache), cumulative."""
         return 0, 0
+
+    def forget_prefixes(self) -> None:  # noqa: B027 (an engine without a prefix cache: nothing)
+        """Empty the engine's prefix cache (benchmarks: no run inherits an earlier one's)."""
 
     @contextmanager
     def active(self) -> Iterator[None]:

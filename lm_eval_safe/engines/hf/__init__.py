@@ -70,6 +70,12 @@ class HFEngine(MemberEngine):
         store = self.prefix_store
         return (0, 0) if store is None else (store.looked_up_tokens, store.reused_tokens)
 
+    def forget_prefixes(self) -> None:
+        from lm_eval_safe.engines.hf.prefix_cache import PrefixStore
+
+        if self.prefix_store is not None:
+            self.prefix_store = PrefixStore(self.prefix_store.budget)
+
     @contextmanager
     def active(self) -> Iterator[None]:
         with self.small_rows.active():

@@ -1,0 +1,178 @@
+"""One vLLM member's rows in a generation batch: each row is the sequence of ids its calls built
+up; every call re-submits whole sequences in one ``generate`` and vLLM's prefix cache supplies
+what an earlier call computed.
+
+Prompt log-probs and the prefix cache: vLLM skips *reading* the prefix cache for a request that
+asks for prompt log-probs unless told otherwise, and when it reads it, the rows of positions it
+took from the cache are not computed (on the CPU runner they hold uninitialised memory, vLLM
+issue 42019). So every scoring request reads the cache, and a row predicting position ``p``
+(computed from the hidden state at ``p - 1``) is used only when ``p - 1 >= num_cached_tokens``;
+the rare rows below that are asked again by a request ending right after them, whose cached
+prefix stops short of them, and failing that by one that does not read the cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lm_eval_safe.engines.base import (
+    Call,
+    Complete,
+    Draft,
+    Drafted,
+    EngineBatch,
+    Forward,
+    TopLogprobs,
+)
+from lm_eval_safe.members import Member
+
+
+class VLLMBatch(EngineBatch):
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.rows: list[list[int]] = []
+
+    def add_row(self) -> int:
+        self.rows.append([])
+        return len(self.rows) - 1
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.rows = [self.rows[r] for r in rows]
+
+    def _sequence(self, row: int, keep: int, ids: list[int]) -> list[int]:
+        held = self.rows[row]
+        if keep > len(held):
+            raise RuntimeError(f"row {row} holds {len(held)} ids, cannot keep {keep}")
+        sequence = held[:keep] + list(ids)
+        self.rows[row] = sequence
+        return sequence
+
+    def run(self, calls: dict[int, Call]) -> dict[int, Any]:
+        drafts = {r: c for r, c in calls.items() if isinstance(c, Draft)}
+        forwards = {r: c for r, c in calls.items() if isinstance(c, Forward)}
+        completes = {r: c for r, c in calls.items() if isinstance(c, Complete)}
+        results: dict[int, Any] = {}
+        if drafts:
+            results.update(self._draft(drafts))
+        if forwards:
+            results.update(self._score(forwards))
+        if completes:
+            results.update(self._complete(completes))
+        return results
+
+    # -- drafts ----------------------------------------------------------------------------
+    def _draft(self, calls: dict[int, Draft]) -> dict[int, Drafted]:
+        """Every row's window in one request: ``max_tokens=n``, ``logprobs=K``, greedy or with
+        the request's temperature/top-k/top-p and a seed drawn from its own random stream (vLLM
+        restarts a request's stream when it is submitted again, so each window gets a fresh
+        seed, never the same one twice)."""
+        engine = self.engine
+        prompts, params, order = [], [], []
+        for row, call in calls.items():
+            prompts.append(self._sequence(row, call.keep, call.ids))
+            settings: dict[str, Any] = {
+                "max_tokens": call.n,
+                "logprobs": engine.top,
+                "stop_token_ids": sorted(call.stop_ids),
+            }
+            if call.until:  # vLLM then detokenizes to find them
+                settings.update(stop=list(call.until), detokenize=True)
+            sampler = call.sampler
+            if sampler is not None:
+                p = sampler.params
+                settings.update(
+                    temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=sampler.stream_seed()
+                )
+            params.append(engine.params(**settings))
+            order.append(row)
+        outputs = engine.generate(prompts, params)
+        drafted: dict[int, Drafted] = {}
+        for row, prompt, output in zip(order, prompts, outputs, strict=True):
+            completion = output.outputs[0]
+            tokens = list(completion.token_ids)
+            sequence = prompt + tokens
+            self.rows[row] = sequence
+            flat = completion.logprobs
+            rows = [
+                engine.head(flat, i, (sequence, len(prompt) + i)) for i in range(len(tokens))
+            ]
+            drafted[row] = Drafted(tokens, rows)
+        return drafted
+
+    # -- scores ----------------------------------------------------------------------------
+    def _score(self, calls: dict[int, Forward]) -> dict[int, list[TopLogprobs]]:
+        """The rows' wanted positions: inner ones from prompt log-probs, the one after a row's
+        last id from the request's single generated position."""
+        wanted: dict[int, list[int]] = {}
+        sequences: dict[int, list[int]] = {}
+        for row, call in calls.items():
+            sequence = self._sequence(row, call.keep, call.ids)
+            sequences[row] = sequence
+            wanted[row] = [call.keep + w + 1 for w in call.want]
+        answers = self._positions({row: (sequences[row], wanted[row]) for row in calls})
+        return {row: [answers[row][p] for p in wanted[row]] for row in calls}
+
+    def _positions(
+        self, requests: dict[int, tuple[list[int], list[int]]]
+    ) -> dict[int, dict[int, TopLogprobs]]:
+        """For each request ``(sequence, positions)``, the head predicting each position
+        (``len(sequence)``: the next token), valid under the prefix cache (module docstring)."""
+        engine = self.engine
+        found: dict[int, dict[int, TopLogprobs]] = {key: {} for key in requests}
+        todo = [(key, seq, sorted(set(pos))) for key, (seq, pos) in requests.items() if pos]
+        for attempt in range(3):
+            if not todo:
+                break
+            prompts, params = [], []
+            for _, seq, positions in todo:
+                inner = any(p < len(seq) for p in positions)
+                prompts.append(seq)
+                params.append(
+                    engine.params(
+                        max_tokens=1,
+                        logprobs=engine.top,
+                        prompt_logprobs=engine.top if inner else None,
+                        skip_reading_prefix_cache=attempt == 2,
+                    )
+                )
+            outputs = engine.generate(prompts, params)
+            retry = []
+            for (key, seq, positions), output in zip(todo, outputs, strict=True):
+                cached = int(output.num_cached_tokens or 0)
+                stale = []
+                for p in positions:
+                    if p == len(seq):
+                        found[key][p] = engine.head(output.outputs[0].logprobs, 0, (seq, p))
+                    elif p - 1 >= cached:
+                        found[key][p] = engine.head(output.prompt_logprobs, p, (seq, p))
+                    else:
+                        stale.append(p)
+                # a request ending right after a stale row: its cached prefix stops before it
+                retry.extend((key, seq[: p + 1], [p]) for p in stale)
+            todo = retry
+        if todo:
+            raise RuntimeError("vLLM returned prompt log-probs from its prefix cache three times")
+        return found
+
+    # -- full distributions ----------------------------------------------------------------
+    def _complete(self, calls: dict[int, Complete]) -> dict[int, list[Any]]:
+        engine = self.engine
+        prompts, params, where = [], [], []
+        for row, call in calls.items():
+            for i, head in enumerate(call.rows):
+                sequence, position = head.handle
+                prompts.append(sequence[:position])
+                params.append(engine.params(max_tokens=1, logprobs=-1))
+                where.append((row, i))
+        outputs = engine.generate(prompts, params)
+        engine.counters.full_rows += len(prompts)
+        results: dict[int, list[Any]] = {row: [None] * len(call.rows) for row, call in calls.items()}
+        for (row, i), output in zip(where, outputs, strict=True):
+            results[row][i] = engine.full_row(output.outputs[0].logprobs, 0)
+        return results
+
+
+def auto_generation_rows(members: list[Member], jobs: list[Any]) -> int:
+    """``batch_size=auto`` for vLLM members: as many rows as each engine schedules at once
+    (its ``max_num_seqs``); vLLM's own scheduler holds what does not fit its KV cache."""
+    return min(m.engine.max_num_seqs for m in members)
