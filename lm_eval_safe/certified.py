@@ -175,44 +175,33 @@ def _sharpened(
     return None
 
 
-def certified_gac(
-    views: Sequence[View], union: UnionVocabulary, sharpen: str, lam: float, top_k: int
+def _decide(
+    per_member: Sequence[dict[bytes, Interval]],
+    weights: Sequence[float],
+    keys: Sequence[bytes],
+    sharpen: str,
+    lam: float,
+    candidates: list[bytes],
+    drafter_top: list[bytes],
+    unseen: tuple[float, float] = (0.0, -math.inf),
 ) -> Choice | None:
-    """:func:`lm_eval_safe.aggregate.gac` from heads, or None where they do not settle it."""
-    weights = _normalised(views)
-    if sharpen == "geometric" and any(w <= 0 for w in weights):
-        return None  # 0 * log 0 in the exact rule: leave it to the full distributions
-    heads = []
-    for view, weight in zip(views, weights, strict=True):
-        assert isinstance(view.logprobs, TopLogprobs)
-        heads.append(Head(view.logprobs, weight))
-    seen = list(
-        dict.fromkeys(view.vocab.keys[t] for view in views for t in view.logprobs.known)  # type: ignore[union-attr]
-    )
-    per_member = [
-        {key: head.tokens(view.vocab.ids_of.get(key, ())) for key in seen}
-        for view, head in zip(views, heads, strict=True)
-    ]
-    unseen = [min(h.left, view.vocab.most_ids_per_key * h.unknown) for view, h in zip(views, heads, strict=True)]
+    """The aggregate's decision over ``keys`` from each member's intervals, as the exact
+    aggregators take it: the weighted geometric mean's argmax, or the mixture's argmax
+    sharpened when below 0.5. ``unseen``: bounds of any string outside ``keys`` (mixture, log)."""
     if sharpen == "geometric":
-        scores: dict[bytes, Interval] = {}
-        for key in seen:
-            total = ZERO
-            for member, weight in zip(per_member, weights, strict=True):
-                total = total + member[key].log().scaled(weight)
-            scores[key] = total
-        unseen_high = sum(w * _log(u) for w, u in zip(weights, unseen, strict=True))
+        scores = {
+            key: sum((m[key].log().scaled(w) for m, w in zip(per_member, weights, strict=True)), ZERO)
+            for key in keys
+        }
         finite = {k: v for k, v in scores.items() if v.low > -math.inf}
-        best = _unique_winner(finite, max([unseen_high, *(v.high for k, v in scores.items() if k not in finite)]))
-        if best is None:
-            return None
-        return Choice(best, math.exp(scores[best].low), False)
+        rivals = [unseen[1], *(v.high for k, v in scores.items() if k not in finite)]
+        best = _unique_winner(finite, max(rivals))
+        return None if best is None else Choice(best, math.exp(scores[best].low), False)
     mixture = {
         key: sum((m[key].scaled(w) for m, w in zip(per_member, weights, strict=True)), ZERO)
-        for key in seen
+        for key in keys
     }
-    unseen_high = sum(w * u for w, u in zip(weights, unseen, strict=True))
-    best = _unique_winner(mixture, unseen_high)
+    best = _unique_winner(mixture, unseen[0])
     if best is None:
         return None
     choice = Choice(best, mixture[best].low, False)
@@ -223,9 +212,44 @@ def certified_gac(
         return None
     if trigger:  # the maximum is at least 0.5: no sharpening
         return choice
-    candidates = list(dict.fromkeys(k for view in views for k in _top_keys(view, top_k)))
     scores = {key: mixture[key] for key in candidates if key in mixture}
-    return _sharpened(choice, mixture[best], scores, _top_keys(views[0], top_k), candidates, lam)
+    return _sharpened(choice, mixture[best], scores, drafter_top, candidates, lam)
+
+
+def _heads(views: Sequence[View], weights: Sequence[float]) -> list[Head]:
+    heads = []
+    for view, weight in zip(views, weights, strict=True):
+        assert isinstance(view.logprobs, TopLogprobs)
+        heads.append(Head(view.logprobs, weight))
+    return heads
+
+
+def certified_gac(
+    views: Sequence[View], union: UnionVocabulary, sharpen: str, lam: float, top_k: int
+) -> Choice | None:
+    """:func:`lm_eval_safe.aggregate.gac` from heads, or None where they do not settle it.
+
+    A string's probability in a member sums its ids (as GaC's union map does); a string no
+    member's head names is at most every member's bound on an unknown id (times the most ids
+    one string has in that vocabulary)."""
+    weights = _normalised(views)
+    if sharpen == "geometric" and any(w <= 0 for w in weights):
+        return None  # 0 * log 0 in the exact rule: leave it to the full distributions
+    heads = _heads(views, weights)
+    seen = list(
+        dict.fromkeys(view.vocab.keys[t] for view, head in zip(views, heads, strict=True) for t in head.row.known)
+    )
+    per_member = [
+        {key: head.tokens(view.vocab.ids_of.get(key, ())) for key in seen}
+        for view, head in zip(views, heads, strict=True)
+    ]
+    unseen = [min(h.left, view.vocab.most_ids_per_key * h.unknown) for view, h in zip(views, heads, strict=True)]
+    bounds = (
+        sum(w * u for w, u in zip(weights, unseen, strict=True)),
+        sum(w * _log(u) for w, u in zip(weights, unseen, strict=True)),
+    )
+    candidates = list(dict.fromkeys(k for view in views for k in _top_keys(view, top_k)))
+    return _decide(per_member, weights, seen, sharpen, lam, candidates, _top_keys(views[0], top_k), bounds)
 
 
 def _unite_member(view: View, head: Head, keys: list[bytes]) -> dict[bytes, Interval]:
@@ -257,42 +281,13 @@ def certified_unite(views: Sequence[View], sharpen: str, lam: float, top_k: int)
     """:func:`lm_eval_safe.aggregate.unite` from heads, or None where they do not settle it."""
     weights = _normalised(views)
     keys = list(dict.fromkeys(k for view in views for k in _top_keys(view, top_k)))
-    heads = []
-    for view, weight in zip(views, weights, strict=True):
-        assert isinstance(view.logprobs, TopLogprobs)
-        heads.append(Head(view.logprobs, weight))
     rows = []
-    for view, head in zip(views, heads, strict=True):
+    for view, head in zip(views, _heads(views, weights), strict=True):
         row = _unite_member(view, head, keys)
-        known = [t for t in row.values() if t.low > 0]
-        if not known:
+        if not any(t.low > 0 for t in row.values()):
             return None  # a member none of whose entries is known: its normaliser is unbounded
         rows.append(row)
-    if sharpen == "geometric":
-        scores = {
-            key: sum((r[key].log().scaled(w) for r, w in zip(rows, weights, strict=True)), ZERO)
-            for key in keys
-        }
-        finite = {k: v for k, v in scores.items() if v.low > -math.inf}
-        best = _unique_winner(finite, max([-math.inf, *(v.high for k, v in scores.items() if k not in finite)]))
-        if best is None:
-            return None
-        return Choice(best, math.exp(scores[best].low), False)
-    total = {
-        key: sum((r[key].scaled(w) for r, w in zip(rows, weights, strict=True)), ZERO) for key in keys
-    }
-    best = _unique_winner(total)
-    if best is None:
-        return None
-    choice = Choice(best, total[best].low, False)
-    if sharpen != "heuristic":
-        return choice
-    trigger = total[best].above(SHARPEN_THRESHOLD)
-    if trigger is None:
-        return None
-    if trigger:
-        return choice
-    return _sharpened(choice, total[best], total, _top_keys(views[0], top_k), keys, lam)
+    return _decide(rows, weights, keys, sharpen, lam, keys, _top_keys(views[0], top_k))
 
 
 def certified_consensus(

@@ -400,16 +400,3 @@ def config_max_length(config: Any, tokenizer: Any, override: int | None) -> int:
     if isinstance(model_max, int) and 0 < model_max < 10**8:
         return model_max
     return 2048
-
-
-def load_member(spec: str, *, engine: str = "hf", **settings: Any) -> Member:
-    """Load one member on ``engine`` (``hf``: transformers in this process; ``vllm``: a vLLM
-    engine); ``settings`` are that engine's loader's (:func:`lm_eval_safe.engines.hf.loading.
-    load_hf_member`, :func:`lm_eval_safe.engines.vllm.loading.load_vllm_member`)."""
-    if engine == "vllm":
-        from lm_eval_safe.engines.vllm.loading import load_vllm_member
-
-        return load_vllm_member(spec, **settings)
-    from lm_eval_safe.engines.hf.loading import load_hf_member
-
-    return load_hf_member(spec, **settings)

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from lm_eval_safe import __version__
 from lm_eval_safe.decoding import SafeDecoder
 from lm_eval_safe.distributed import AcceleratorView, ProcessGroup
-from lm_eval_safe.engines import generation_rows
+from lm_eval_safe.engines import generation_rows, load_member
 from lm_eval_safe.engines.hf.placement import (
     LM_EVAL_CLI_DEFAULT_DEVICE,
     plan_placement,
@@ -24,7 +24,7 @@ from lm_eval_safe.engines.hf.placement import (
 )
 from lm_eval_safe.generation_requests import EmptyResponses, JobBuilder, request_label
 from lm_eval_safe.loglikelihood import score_loglikelihood, score_rolling
-from lm_eval_safe.members import CHAT_MARKER, Member, check_gguf_file, load_member, resolve_source
+from lm_eval_safe.members import CHAT_MARKER, Member, check_gguf_file, resolve_source
 from lm_eval_safe.options import (
     OptionError,
     SafeOptions,

@@ -23,6 +23,20 @@ class ScoringError(ValueError):
         self.index = index
 
 
+def check_pair(member: Member, index: int, ctx: list[int], cont: list[int]) -> None:
+    """A pair any engine can score: a continuation to score, within the member's window, and a
+    context token to condition on (lm-eval puts the prefix token in an empty context)."""
+    if not cont:
+        raise ScoringError(index, f"{member.name} has no continuation tokens to score")
+    if len(cont) > member.max_length:
+        raise ScoringError(
+            index,
+            f"continuation of {len(cont)} tokens is longer than {member.name}'s window ({member.max_length})",
+        )
+    if not ctx:
+        raise ScoringError(index, f"{member.name} has no context token to condition on")
+
+
 def encode_pair(
     member: Member, context: str, continuation: str
 ) -> tuple[list[int], list[int], str]:

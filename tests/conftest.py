@@ -236,3 +236,10 @@ def real_models_dir(shared_dir: Path) -> Path:
     if not folder.is_dir():
         pytest.fail(f"{script} reported {folder!s}, which is not a folder")
     return folder
+
+
+@pytest.fixture(scope="module")
+def models(real_models_dir: Path) -> Path:
+    """The real members' aliases resolve to the fetched GGUF files (``LM_EVAL_SAFE_MODELS``)."""
+    os.environ["LM_EVAL_SAFE_MODELS"] = str(real_models_dir)
+    return real_models_dir

@@ -17,11 +17,10 @@ import pytest
 import torch
 from helpers import SCHEDULES, gen_request, make_lm, random_prompts
 
-from lm_eval_safe.engines import generation_rows
+from lm_eval_safe.engines import generation_rows, load_member
 from lm_eval_safe.engines.base import Forward
 from lm_eval_safe.engines.hf import batch as hf_batch
 from lm_eval_safe.engines.hf.batch import AUTO_CPU_ROWS, MemberBatch
-from lm_eval_safe.members import load_member
 
 
 def _full_logprobs(member, ids: list[int]) -> torch.Tensor:

@@ -20,7 +20,7 @@ from lm_eval_safe.bench.output import fmt
 from lm_eval_safe.bench.prompts import load_prompts
 from lm_eval_safe.bench.speed import METHODS, make_decoder, run_method, time_methods, time_union
 from lm_eval_safe.bench.speed_report import markdown, ratios, summarise
-from lm_eval_safe.members import load_member
+from lm_eval_safe.engines import load_member
 
 QUESTIONS = [
     {"question": "What is 2 plus 3?", "answer": "2+3=5\n#### 5"},

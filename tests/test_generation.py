@@ -10,8 +10,8 @@ import torch
 from helpers import gen_request, hf_greedy_text, make_lm, random_prompts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lm_eval_safe.engines import load_member
 from lm_eval_safe.member_runs import VerifierRun
-from lm_eval_safe.members import load_member
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,11 @@ import pytest
 import torch
 from helpers import WORDS
 
+from lm_eval_safe.engines import load_member
 from lm_eval_safe.engines.base import Forward
 from lm_eval_safe.engines.hf import kv_cache
 from lm_eval_safe.engines.hf.batch import MemberBatch
 from lm_eval_safe.engines.hf.scoring import score_tokens
-from lm_eval_safe.members import load_member
 
 
 def _full_logprobs(member, ids: list[int]) -> torch.Tensor:

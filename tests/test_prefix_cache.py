@@ -171,8 +171,8 @@ def test_text_shared_prefix_split_differently_at_the_seam(tiny_bpe_dir: Path) ->
     """Two prompts share a text prefix whose last word the byte-level BPE merges with what
     follows in only one of them: reuse stops at the last block where the ids agree, and the
     next-token distribution equals a fresh prefill's."""
+    from lm_eval_safe.engines import load_member
     from lm_eval_safe.engines.hf.forward import forward_logprobs
-    from lm_eval_safe.members import load_member
 
     member = load_member(str(tiny_bpe_dir), device="cpu", dtype="float64")
     shared = few_shot_prompts(1, seed=2)[0] + " the"
@@ -215,8 +215,8 @@ def test_scored_contexts_store_their_own_states(
     """Contexts of different lengths and different exemplars scored in one left-padded batch,
     then again from the store: every stored block holds the states a fresh prefill of that
     context computes (row and padding offset right), on both the batched and the reuse path."""
+    from lm_eval_safe.engines import load_member
     from lm_eval_safe.engines.hf.scoring import score_tokens
-    from lm_eval_safe.members import load_member
 
     member = load_member(
         str(tiny_bpe_dir if family == "bpe" else tiny_gemma_dir), device="cpu", dtype="float64"

@@ -19,12 +19,6 @@ MATH_PROMPT = "Question: {q}\nAnswer: Let's think step by step."
 
 
 @pytest.fixture(scope="module")
-def models(real_models_dir: Path) -> Path:
-    os.environ["LM_EVAL_SAFE_MODELS"] = str(real_models_dir)
-    return real_models_dir
-
-
-@pytest.fixture(scope="module")
 def smollm(models: Path):
     from lm_eval_safe.model import SafeEnsembleLM
 

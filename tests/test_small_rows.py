@@ -30,7 +30,7 @@ def test_matrix_form_equals_linear(dtype: torch.dtype, bias: bool) -> None:
 def test_active_only_inside_the_block(tiny_bpe_dir: Path, tmp_path: Path) -> None:
     """Outside ``active()`` (e.g. lm-eval's ``hf`` running the same model object) every linear
     takes ``F.linear``; inside, the planned row counts take the matrix form."""
-    from lm_eval_safe.members import load_member
+    from lm_eval_safe.engines import load_member
 
     member = load_member(str(tiny_bpe_dir), device="cpu", fast_small_linear="on", cache_dir=str(tmp_path))
     head = member.engine.model.get_output_embeddings()
@@ -77,7 +77,7 @@ def test_auto_times_each_shape_once_per_machine(tiny_bpe_dir: Path, tmp_path: Pa
     """``auto`` times every distinct weight shape at first use and caches the choice on disk;
     a second process (a new member) reads it instead of timing again. The choice follows the
     timings: the matrix form only where it is clearly faster."""
-    from lm_eval_safe.members import load_member
+    from lm_eval_safe.engines import load_member
 
     timed: list[tuple[int, int]] = []
 
@@ -130,7 +130,7 @@ def test_bad_mode_fails_in_one_line(tiny_bpe_dir: Path, tiny_sp_dir: Path) -> No
 
 
 def test_off_leaves_the_model_untouched(tiny_bpe_dir: Path) -> None:
-    from lm_eval_safe.members import load_member
+    from lm_eval_safe.engines import load_member
 
     member = load_member(str(tiny_bpe_dir), device="cpu", fast_small_linear="off")
     assert isinstance(member.engine.small_rows, SmallRowLinears) and not member.engine.small_rows.modules

@@ -8,21 +8,14 @@ must decide as on transformers. Needs ../shared and vLLM (CI's vLLM environment)
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-from helpers import gen_request, ll_request
+from helpers import gen_request
 
 pytestmark = [pytest.mark.real, pytest.mark.vllm, pytest.mark.usefixtures("vllm_installed")]
 
 ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 1 << 30}
-
-
-@pytest.fixture(scope="module")
-def models(real_models_dir: Path) -> Path:
-    os.environ["LM_EVAL_SAFE_MODELS"] = str(real_models_dir)
-    return real_models_dir
 
 
 @pytest.fixture(scope="module")
@@ -35,53 +28,19 @@ def gemma_alone(models: Path):
 @pytest.fixture(scope="module")
 def lm_eval_vllm(gemma_alone):
     """lm-eval's own vllm backend on the folder the member was loaded from, same arguments."""
-    from lm_eval.models.vllm_causallms import VLLM
+    from lm_eval_safe.bench.vllm_parity import lm_eval_vllm_for
 
-    engine = gemma_alone.members[0].engine
-    settings = {k: v for k, v in engine.settings.items() if k not in ("model", "trust_remote_code", "max_logprobs")}
-    return VLLM(pretrained=engine.settings["model"], batch_size="auto", **{**settings, "max_model_len": engine.max_model_len})
-
-
-def _responses(results: dict) -> dict:
-    return {
-        (task, s["doc_id"]): s["resps"][0][0]
-        for task, samples in results["samples"].items()
-        for s in samples
-    }
+    return lm_eval_vllm_for(gemma_alone.members[0])
 
 
 def test_one_member_on_vllm_equals_lm_eval_vllm(gemma_alone, lm_eval_vllm, shared_dir: Path) -> None:
     """8 GSM8K and 8 BBH (3-shot) greedy requests through lm-eval's own pipeline: identical
-    responses; their log-likelihoods within 1e-4."""
-    import lm_eval
-    from lm_eval.tasks import TaskManager
+    responses; 17 log-likelihoods within 1e-4 and the same is_greedy flags."""
+    from lm_eval_safe.bench.vllm_parity import compare_with_lm_eval_vllm
 
-    import lm_eval_safe
-
-    manager = TaskManager(include_path=lm_eval_safe.task_dir(), metadata={"data_dir": str(shared_dir / "data")})
-    runs = [
-        lm_eval.simple_evaluate(
-            model=lm,
-            tasks=["safe_gsm8k", "safe_bbh_navigate"],
-            limit=8,
-            task_manager=manager,
-            gen_kwargs={"max_gen_toks": 48},
-            log_samples=True,
-            bootstrap_iters=0,
-        )
-        for lm in (gemma_alone, lm_eval_vllm)
-    ]
-    ours, theirs = (_responses(r) for r in runs)
-    assert len(ours) == 16 and ours == theirs
-    import json
-
-    gsm8k = [json.loads(x) for x in (shared_dir / "data" / "gsm8k" / "test.jsonl").read_text().splitlines()[:8]]
-    navigate = json.loads((shared_dir / "data" / "bbh" / "tasks" / "navigate.json").read_text())["examples"][:4]
-    requests = [ll_request(f"Question: {r['question']}\nAnswer:", " " + r["answer"].split("\n")[0]) for r in gsm8k]
-    requests += [ll_request(f"Q: {r['input']}\nA: The answer is", choice) for r in navigate for choice in (" Yes", " No")]
-    requests.append(ll_request("", "The capital of France is Paris."))
-    for (a, ga), (b, gb) in zip(gemma_alone.loglikelihood(requests, disable_tqdm=True), lm_eval_vllm.loglikelihood(requests, disable_tqdm=True), strict=True):
-        assert a == pytest.approx(b, abs=1e-4) and ga == gb
+    report = compare_with_lm_eval_vllm(gemma_alone, lm_eval_vllm, shared_dir / "data")
+    assert report["responses"] == 16 and report["different_responses"] == []
+    assert report["largest_loglikelihood_gap"] < 1e-4 and report["is_greedy_differs"] == 0
 
 
 def test_default_ensemble_on_vllm_decides_as_on_transformers(models: Path, shared_dir: Path) -> None:

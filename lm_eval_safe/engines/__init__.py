@@ -20,6 +20,19 @@ from typing import Any
 ENGINES = ("hf", "vllm")
 
 
+def load_member(spec: str, *, engine: str = "hf", **settings: Any) -> Any:
+    """Load one member on ``engine`` (``hf``: transformers in this process; ``vllm``: a vLLM
+    engine); ``settings`` are that engine's loader's (:func:`.hf.loading.load_hf_member`,
+    :func:`.vllm.loading.load_vllm_member`)."""
+    if engine == "vllm":
+        from lm_eval_safe.engines.vllm.loading import load_vllm_member
+
+        return load_vllm_member(spec, **settings)
+    from lm_eval_safe.engines.hf.loading import load_hf_member
+
+    return load_hf_member(spec, **settings)
+
+
 @contextmanager
 def engines_active(members: Iterable[Any]) -> Iterator[None]:
     """Every member's engine settings active for the calls run inside this block (the

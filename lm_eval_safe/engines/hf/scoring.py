@@ -21,7 +21,7 @@ import torch
 from lm_eval_safe.engines.hf import kv_cache
 from lm_eval_safe.engines.hf.forward import vocab_logits
 from lm_eval_safe.members import Member
-from lm_eval_safe.scoring import ScoringError
+from lm_eval_safe.scoring import check_pair
 
 logger = logging.getLogger(__name__)
 
@@ -51,15 +51,7 @@ def _group_pairs(member: Member, pairs: Sequence[tuple[list[int], list[int]]]) -
     limit = member.max_length
     groups: dict[tuple[int, ...], _Group] = {}
     for index, (ctx, cont) in enumerate(pairs):
-        if not cont:
-            raise ScoringError(index, f"{member.name} has no continuation tokens to score")
-        if len(cont) > limit:
-            raise ScoringError(
-                index,
-                f"continuation of {len(cont)} tokens is longer than {member.name}'s window ({limit})",
-            )
-        if not ctx:
-            raise ScoringError(index, f"{member.name} has no context token to condition on")
+        check_pair(member, index, ctx, cont)
         if len(ctx) + len(cont) > limit + 1:
             logger.warning(
                 "context+continuation (%d tokens) exceed %s's window %d; truncating from the left",

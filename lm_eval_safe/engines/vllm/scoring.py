@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lm_eval_safe.scoring import ScoringError
+from lm_eval_safe.scoring import check_pair
 
 #: Requests per ``generate`` call when ``batch_size`` is ``auto``: bounds the Python objects of
 #: one call's outputs, while vLLM batches within it as its scheduler sees fit.
@@ -29,15 +29,7 @@ def score_tokens(
     limit = engine.member.max_length
     windows: list[tuple[list[int], int]] = []
     for index, (ctx, cont) in enumerate(pairs):
-        if not cont:
-            raise ScoringError(index, f"{engine.member.name} has no continuation tokens to score")
-        if len(cont) > limit:
-            raise ScoringError(
-                index,
-                f"continuation of {len(cont)} tokens is longer than {engine.member.name}'s window ({limit})",
-            )
-        if not ctx:
-            raise ScoringError(index, f"{engine.member.name} has no context token to condition on")
+        check_pair(engine.member, index, ctx, cont)
         whole = (ctx + cont)[-limit:]
         windows.append((whole, len(whole) - len(cont)))
     order = sorted(range(len(pairs)), key=lambda i: windows[i][0])
