@@ -152,3 +152,59 @@ def load_script(name: str, module_name: str | None = None) -> ModuleType:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(processes: int) -> list[str]:
+    """The command prefix of a data-parallel run on this machine (lm-eval's launchers)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port())]  # fmt: skip
+
+
+def write_apples_gsm8k(data: Path, n: int = 5) -> Path:
+    """A local GSM8K of ``n`` short questions for the CLI runs of ``run_gsm8k_cli``."""
+    folder = data / "gsm8k"
+    folder.mkdir(parents=True)
+    questions = [
+        {"question": f"Tom has {i} apples and buys {i + 2} more. How many now?", "answer": f"x\n#### {2 * i + 2}"}
+        for i in range(n)
+    ]
+    (folder / "test.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
+    return data
+
+
+def run_gsm8k_cli(prefix: list[str], model_args: str, data_dir: Path, out: Path, timeout: int = 600) -> dict:
+    """``<prefix> -m lm_eval --model safe-ensemble`` on 5 safe_gsm8k documents; the results and
+    each document's first response."""
+    import os
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    cmd = [
+        *prefix, "-m", "lm_eval",
+        "--model", "safe-ensemble",
+        "--model_args", model_args, "--gen_kwargs", "max_gen_toks=8",
+        "--tasks", "safe_gsm8k",
+        "--include_path", str(repo / "tasks"),
+        "--metadata", json.dumps({"data_dir": str(data_dir)}),
+        "--limit", "5", "--log_samples", "--output_path", str(out),
+    ]  # fmt: skip
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=out.parent, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (results,) = out.rglob("results_*.json")
+    (samples,) = out.rglob("samples_safe_gsm8k_*.jsonl")
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    return {
+        "results": json.loads(results.read_text()),
+        # lm-eval pads the shorter rank with a copy of its last request, whose answer it
+        # appends to that instance's responses: compare the first response of each document
+        "resps": {r["doc_id"]: r["resps"][0][0] for r in rows},
+    }

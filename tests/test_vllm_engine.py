@@ -102,7 +102,10 @@ def test_every_schedule_gives_the_transformers_texts(pair, schedule: str, aggreg
         with_options(lm, schedule=schedule, aggregator=aggregator, batch_size=3)
         out[lm.members[0].engine.kind] = (lm.generate_until(requests, disable_tqdm=True), lm.run_stats.summary())
     assert out["vllm"][0] == out["hf"][0]
-    for key in ("generated_tokens", "ensemble_ops", "ensemble_replaced", "aligned_positions", "consensus_skips", "cycles", "drafted_tokens"):
+    keys = ["generated_tokens", "ensemble_ops", "ensemble_replaced", "aligned_positions", "consensus_skips"]
+    if schedule != "drafter":  # alone, vLLM drafts a whole budget per call, stopping at stop strings
+        keys += ["cycles", "drafted_tokens"]
+    for key in keys:
         assert out["vllm"][1][key] == out["hf"][1][key], key
     stats = out["vllm"][1]
     assert stats["engine_calls_per_token"] > 0 and stats["host_ms_per_token"] >= 0
@@ -197,7 +200,7 @@ def test_trace_changes_no_text(pair, tmp_path: Path) -> None:
     lm.decoder.generate_many(
         [(p.args[0], [], 20) for p in requests], 1, on_trace=lambda i, r: records.append(r)
     )
-    assert [r["text"] for r in sorted(records, key=lambda r: plain.index(r["text"]))] == sorted(plain, key=plain.index)
+    assert sorted(r["text"] for r in records) == sorted(plain)
     assert any(r["points"] for r in records)
     assert all(len(p["ensemble"]) > 0 for r in records for p in r["points"])
 
@@ -238,3 +241,17 @@ def test_mixed_engines(tiny_bpe_vllm_dir, tiny_sp_vllm_dir, pair) -> None:
     hf = with_options(pair[0], schedule="safe", aggregator="unite", batch_size=1)
     assert mixed.generate_until(requests, disable_tqdm=True) == hf.generate_until(requests, disable_tqdm=True)
     assert math.isfinite(mixed.run_stats.summary()["host_ms_per_token"])
+
+
+def test_data_parallel_through_lm_evals_launcher(tmp_path: Path, tiny_bpe_vllm_dir, tiny_sp_vllm_dir) -> None:
+    """Two torchrun processes, each with its own vLLM engines, give the responses of one."""
+    import sys
+
+    from helpers import run_gsm8k_cli, torchrun, write_apples_gsm8k
+
+    data = write_apples_gsm8k(tmp_path / "data")
+    args = f"members={tiny_bpe_vllm_dir},{tiny_sp_vllm_dir},engine=vllm,enforce_eager=true,kv_cache_memory_bytes={256 << 20}"
+    single = run_gsm8k_cli([sys.executable], args, data, tmp_path / "one", timeout=900)
+    double = run_gsm8k_cli(torchrun(2), args, data, tmp_path / "two", timeout=900)
+    assert sorted(double["resps"]) == list(range(5)) and double["resps"] == single["resps"]
+    assert double["results"]["config"]["world_size"] == 2
