@@ -213,7 +213,7 @@ class SafeDecoder:
             cycle = CycleForwards(verifiers=[[] for _ in state.verifiers])
             drafted_before = state.drafter.drafted
             alone = not state.schedule.needs_verifiers
-            tokens, logprobs = yield from state.drafter.draft(n, tuple(until) if alone else ())
+            tokens, logprobs = yield from state.drafter.draft(n, tuple(until) if alone else (), not alone)
             cycle.drafter = state.drafter.drafted - drafted_before
             state.cycles.append(cycle)
             stats.cycles += 1

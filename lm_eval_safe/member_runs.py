@@ -54,16 +54,17 @@ class DrafterRun:
         # (token, distribution, drafted ahead): tokens waiting for a later cycle
         self.carried: list[tuple[int, Row, bool]] = []
 
-    def draft(self, n: int, until: tuple[str, ...] = ()) -> Steps:
+    def draft(self, n: int, until: tuple[str, ...] = (), rows: bool = True) -> Steps:
         """Up to ``n`` tokens: carried ones first, then drafted (``until``: stop strings the
-        engine may stop at, for the drafter alone)."""
+        engine may stop at, for the drafter alone; ``rows``: False when the caller reads the
+        tokens only, and the returned distributions may then be fewer than the tokens)."""
         taken, self.carried = self.carried[:n], self.carried[n:]
         tokens = [token for token, _, _ in taken]
         logprobs = [row for _, row, _ in taken]
         self.drafted += sum(ahead for _, _, ahead in taken)  # a speculative draft, now used
         if (tokens and tokens[-1] in self.member.eos_ids) or len(tokens) >= n:
             return tokens, logprobs
-        drafted = yield from self._draft(n - len(tokens), until)
+        drafted = yield from self._draft(n - len(tokens), until, rows)
         self.drafted += len(drafted.tokens)
         return tokens + drafted.tokens, logprobs + drafted.rows
 
@@ -81,12 +82,12 @@ class DrafterRun:
             self.carried.append((last, row, True))
             drafted += 1
 
-    def _draft(self, n: int, until: tuple[str, ...] = ()) -> Steps:
+    def _draft(self, n: int, until: tuple[str, ...] = (), rows: bool = True) -> Steps:
         """One engine call: feed what is pending and draft up to ``n`` tokens (after an EOS
         none). Every drafted token but the last is in the engine's sequence afterwards; the
         last is fed by the next call."""
         drafted = yield Draft(
-            self.slot, self.cached, self.pending, n, self.member.eos_ids, self.sampler, until
+            self.slot, self.cached, self.pending, n, self.member.eos_ids, self.sampler, until, rows
         )
         self.cached += len(self.pending) + len(drafted.tokens) - 1
         self.forwards += len(drafted.tokens)

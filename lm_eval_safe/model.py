@@ -95,6 +95,7 @@ class SafeEnsembleLM(LM):
                     device_map=self.placements[i].device_map,
                     fast_small_linear=opts.fast_small_linear,
                     prefix_cache_mb=opts.prefix_cache_mb,
+                    top_logprobs=opts.top_logprobs,
                     **common,
                 )
             self.members.append(member)

@@ -208,3 +208,41 @@ def run_gsm8k_cli(prefix: list[str], model_args: str, data_dir: Path, out: Path,
         # appends to that instance's responses: compare the first response of each document
         "resps": {r["doc_id"]: r["resps"][0][0] for r in rows},
     }
+
+
+def completed_rows(batch: Any, answers: dict[int, list[Any]], calls: dict[int, Any]) -> dict[int, Any]:
+    """The full log-softmax rows behind a transformers batch's answered heads (one Complete per
+    row), each head checked against its row first: its ids are the row's most probable (the
+    first being ``torch.argmax``), its log-probs the row's own floats, its named ids (the next
+    id fed) read from the same row. Returns ``row -> [positions, vocab]`` tensors."""
+    import torch
+
+    from lm_eval_safe.engines.base import Complete
+
+    full = batch.run({row: Complete(0, rows) for row, rows in answers.items() if rows})
+    out = {}
+    for row, heads in answers.items():
+        rows = full.get(row, [])
+        for head, logprobs, i in zip(heads, rows, calls[row].want, strict=True):
+            assert head.ids[0] == int(torch.argmax(logprobs))
+            assert head.logprobs == [float(logprobs[t]) for t in head.ids]
+            assert head.logprobs == sorted(head.logprobs, reverse=True)
+            assert all(float(logprobs[t]) == lp for t, lp in head.known.items())
+            ceiling = head.logprobs[-1]
+            outside = logprobs.clone()
+            outside[head.ids] = -float("inf")
+            assert float(outside.max()) <= ceiling
+            if i + 1 < len(calls[row].ids):
+                assert calls[row].ids[i + 1] in head.known
+        out[row] = torch.stack(rows) if rows else torch.empty((0, 0))
+    return out
+
+
+def as_full(row: Any) -> Any:
+    """A transformers engine's answered position as its full log-softmax row (a head is read
+    from the device row it was cut from)."""
+    import torch
+
+    from lm_eval_safe.engines.hf.heads import full_rows
+
+    return row if isinstance(row, torch.Tensor) else full_rows([row])[0]

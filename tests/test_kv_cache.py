@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import WORDS
+from helpers import WORDS, completed_rows
 
 from lm_eval_safe.engines import load_member
 from lm_eval_safe.engines.base import Forward
@@ -55,7 +55,8 @@ def test_prefix_store_rows_match_full_recompute(
     for prompt in prompts:
         row = batch.add_row()
         seqs.append([])
-        out = batch.run({row: Forward(0, 0, prompt, [len(prompt) - 1])})
+        call = Forward(0, 0, prompt, [len(prompt) - 1])
+        out = completed_rows(batch, batch.run({row: call}), {row: call})
         seqs[row] = list(prompt)
         torch.testing.assert_close(out[row][0].double(), _full_logprobs(member, prompt)[-1], atol=1e-8, rtol=0)
         checked += 1
@@ -67,7 +68,7 @@ def test_prefix_store_rows_match_full_recompute(
             keep = len(seq) - rng.randint(0, 3)
             feed = [rng.randrange(3, len(member.vocab)) for _ in range(rng.randint(1, 4))]
             calls[row] = Forward(0, keep, feed, list(range(len(feed))))
-        out = batch.run(calls)
+        out = completed_rows(batch, batch.run(calls), calls)
         for row, call in calls.items():
             seqs[row] = seqs[row][: call.keep] + call.ids
             reference = _full_logprobs(member, seqs[row])

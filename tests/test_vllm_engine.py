@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SCHEDULES, gen_request, ll_request, make_lm, random_prompts
+from helpers import SCHEDULES, as_full, gen_request, ll_request, make_lm, random_prompts
 
 from lm_eval_safe.options import OptionError
 
@@ -76,7 +76,7 @@ def test_every_call_answers_as_the_transformers_engine(pair) -> None:
     for r in range(2):
         assert vllm_drafts[r].tokens == hf_drafts[r].tokens
         for head, full in zip(vllm_drafts[r].rows, hf_drafts[r].rows, strict=True):
-            _assert_head_matches(head, full)
+            _assert_head_matches(head, as_full(full))
     # a verifier-style forward over the drafted text: keep the prompt, feed the tokens, rows at
     # an inner position and after the last one
     forwards = {
@@ -86,9 +86,9 @@ def test_every_call_answers_as_the_transformers_engine(pair) -> None:
     hf_rows, vllm_rows = (b.run(forwards) for b in batches)
     for r in range(2):
         for head, full in zip(vllm_rows[r], hf_rows[r], strict=True):
-            _assert_head_matches(head, full)
+            _assert_head_matches(head, as_full(full))
     (completed,) = batches[1].run({0: Complete(0, [vllm_rows[0][0]])})[0]
-    assert torch.allclose(completed, hf_rows[0][0], atol=1e-4)
+    assert torch.allclose(completed, as_full(hf_rows[0][0]), atol=1e-4)
 
 
 @pytest.mark.parametrize(("schedule", "aggregator"), SCHEDULES)
@@ -110,8 +110,10 @@ def test_every_schedule_gives_the_transformers_texts(pair, schedule: str, aggreg
     stats = out["vllm"][1]
     assert stats["engine_calls_per_token"] > 0 and stats["host_ms_per_token"] >= 0
     if schedule != "drafter":
+        # both engines answer with heads (transformers: cut on the device from its full rows)
         assert stats["certified_decisions"] + stats["full_decisions"] > 0
-        assert out["hf"][1]["certified_decisions"] == out["hf"][1]["full_decisions"] == 0
+        hf_stats = out["hf"][1]
+        assert hf_stats["certified_decisions"] + hf_stats["full_decisions"] > 0
 
 
 def test_certified_decisions_equal_full_vocabulary_decisions(pair, monkeypatch) -> None:

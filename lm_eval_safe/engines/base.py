@@ -51,6 +51,9 @@ class TopLogprobs:
     logprobs: list[float]
     known: dict[int, float]
     handle: Any = None
+    #: ``exp`` of the largest log-prob as the engine's own float32 arithmetic gives it (the
+    #: transformers engine: what a full row's ``row.max().exp()`` is), else None
+    max_probability: float | None = None
 
     @property
     def argmax(self) -> int:
@@ -97,6 +100,8 @@ def row_max_probability(row: Row) -> float:
     """The largest next-token probability (GaC's gate, the threshold schedule)."""
     if isinstance(row, torch.Tensor):
         return float(row.max().exp())
+    if row.max_probability is not None:
+        return row.max_probability
     return math.exp(row.max_logprob)
 
 
@@ -136,12 +141,15 @@ class Draft:
     #: stop strings an engine that drafts a whole budget in one call (``stops_on_text``) may
     #: stop at: the draft then ends with the token completing one (the decoder cuts the text)
     until: tuple[str, ...] = ()
+    #: whether the caller reads the distributions the tokens came from (the drafter alone reads
+    #: tokens only: an engine may then answer with ``Drafted.rows`` empty)
+    rows: bool = True
 
 
 @dataclass
 class Drafted:
     tokens: list[int]
-    rows: list[Row]  # rows[i]: the distribution tokens[i] came from
+    rows: list[Row]  # rows[i]: the distribution tokens[i] came from (empty: Draft.rows False)
 
 
 @dataclass

@@ -1,8 +1,10 @@
 """The transformers engine: members stepped by this project's own batches in this process (the
 embedded default, and the one every other engine is checked against).
 
-Its rows are full log-softmax tensors over the tokenizer's ids, so every decision the decoder
-takes on them is the exact one. Modules: :mod:`.loading` (model, device, dtype), :mod:`.batch`
+It computes full log-softmax rows over the tokenizer's ids and keeps them on the member's
+device; the decoder gets each position's head (:mod:`.heads`: one device-to-host copy per batch
+step) and the full rows of the positions a head cannot decide (``Complete``), so every
+decision is the exact one. Modules: :mod:`.loading` (model, device, dtype), :mod:`.batch`
 (one KV cache per member shared by a batch, per-row rollback), :mod:`.forward` and
 :mod:`.kv_cache` (transformers' internals, in one place), :mod:`.prefix_cache` (prompt prefixes
 shared across requests), :mod:`.small_rows` (CPU linears over few rows), :mod:`.placement`
@@ -21,10 +23,18 @@ from lm_eval_safe.engines.base import EngineBatch, MemberEngine
 
 class HFEngine(MemberEngine):
     kind = "hf"
-    full_rows = True
+    full_rows = False
 
-    def __init__(self, model: Any, device_map: str | None, small_rows: Any, prefix_store: Any):
+    def __init__(
+        self,
+        model: Any,
+        device_map: str | None,
+        small_rows: Any,
+        prefix_store: Any,
+        top_logprobs: int = 20,
+    ):
         super().__init__()
+        self.top_logprobs = top_logprobs  # ids per verifier position read back (a head)
         self.model = model
         self.device_map = device_map
         self.small_rows = small_rows  # SmallRowLinears: faster linears over few rows on this CPU

@@ -15,13 +15,15 @@ and spliced into its row, so prompts of different lengths never pad each other.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from lm_eval_safe.engines.base import Call, Draft, Drafted, EngineBatch, Forward
+from lm_eval_safe.engines.base import Call, Complete, Draft, Drafted, EngineBatch, Forward, Row
 from lm_eval_safe.engines.hf import kv_cache
-from lm_eval_safe.engines.hf.forward import forward_logprobs, vocab_logprobs
+from lm_eval_safe.engines.hf.forward import forward_logits, vocab_logits
+from lm_eval_safe.engines.hf.heads import Want, full_rows, read_heads
 from lm_eval_safe.members import Member
 
 logger = logging.getLogger(__name__)
@@ -29,6 +31,14 @@ logger = logging.getLogger(__name__)
 # Slots beyond the longest row that may hold holes before the cache is compacted: compaction
 # copies the whole cache, like one forward's ``torch.cat`` does, so it must be rare.
 _COMPACT_SLACK = 48
+
+
+@dataclass
+class _DraftStep(Forward):
+    """One token of ``draft``: read back as the argmax (greedy), with its head when the draft
+    reads rows, or as the full row its sampler draws from."""
+
+    draft: Draft | None = None
 
 
 class MemberBatch(EngineBatch):
@@ -43,6 +53,7 @@ class MemberBatch(EngineBatch):
         self.cache: Any = None
         self.positions = torch.empty((0, 0), dtype=torch.long)
         self.lengths: list[int] = []
+        self._trimmed = True  # no trailing slot that no row uses (False after a rollback)
 
     # -- rows ----------------------------------------------------------------------------
     @property
@@ -87,62 +98,100 @@ class MemberBatch(EngineBatch):
         if length < self.lengths[row]:
             self.positions[row][self.positions[row] >= length] = -1
             self.lengths[row] = length
+            self._trimmed = False
 
     # -- calls ---------------------------------------------------------------------------
     def run(self, calls: dict[int, Call]) -> dict[int, Any]:
         """Serve the rows' calls: drafts step by step (one batched forward per drafted token,
-        for the rows still drafting), forwards in one batched forward."""
+        for the rows still drafting), forwards in one batched forward, completions in one
+        copy."""
         drafts = {r: c for r, c in calls.items() if isinstance(c, Draft)}
         forwards = {r: c for r, c in calls.items() if isinstance(c, Forward)}
-        if len(drafts) + len(forwards) != len(calls):
-            raise TypeError("the transformers engine answers Draft and Forward calls only")
+        completes = {r: c for r, c in calls.items() if isinstance(c, Complete)}
+        if len(drafts) + len(forwards) + len(completes) != len(calls):
+            raise TypeError("the transformers engine answers Draft, Forward and Complete calls only")
         results: dict[int, Any] = {}
+        if completes:
+            results.update(self._complete(completes))
         if forwards:
             results.update(self.forward(forwards))
         if drafts:
             results.update(self._draft(drafts))
         return results
 
+    def _complete(self, calls: dict[int, Complete]) -> dict[int, list[torch.Tensor]]:
+        heads = [head for call in calls.values() for head in call.rows]
+        rows = iter(full_rows(heads))
+        self.member.engine.counters.full_rows += len(heads)
+        return {row: [next(rows) for _ in call.rows] for row, call in calls.items()}
+
     def _draft(self, calls: dict[int, Draft]) -> dict[int, Drafted]:
         """Each row's draft as single-token forwards: the first feeds the call's ids, each later
         one the token drafted before it; a row leaves the batch after its ``n``-th token or a
-        stop id. Greedy rows take the argmax, sampled ones their sampler's draw."""
+        stop id. Greedy rows take the argmax (their rows are heads of one id, the decoder asks
+        for more where it needs them; none at all when the call reads tokens only), sampled
+        ones their sampler's draw from the full row."""
         drafted = {row: Drafted([], []) for row in calls}
-        steps = {row: Forward(c.member, c.keep, c.ids, [len(c.ids) - 1]) for row, c in calls.items()}
+        steps = {row: _DraftStep(c.member, c.keep, c.ids, [len(c.ids) - 1], c) for row, c in calls.items()}
         while steps:
             answers = self.forward(steps)
             following = {}
             for row, step in steps.items():
                 call, out = calls[row], drafted[row]
-                logprobs = answers[row][0]
-                token = int(torch.argmax(logprobs)) if call.sampler is None else call.sampler.sample(logprobs)
+                (answer,) = answers[row]
+                if isinstance(answer, int):  # tokens only
+                    token = answer
+                else:
+                    token = answer.argmax if call.sampler is None else call.sampler.sample(answer)
+                    out.rows.append(answer)
                 out.tokens.append(token)
-                out.rows.append(logprobs)
                 if len(out.tokens) < call.n and token not in call.stop_ids:
-                    following[row] = Forward(step.member, step.keep + len(step.ids), [token], [0])
+                    following[row] = _DraftStep(step.member, step.keep + len(step.ids), [token], [0], call)
             steps = following
         return drafted
 
     # -- forwards ------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, calls: dict[int, Forward]) -> dict[int, torch.Tensor]:
+    def forward(self, calls: dict[int, Forward]) -> dict[int, list[Any]]:
         """Serve the rows' forwards: fresh rows (``keep == 0``) are prefilled alone and spliced
-        in, the others share one batched forward. Returns each row's log-prob rows."""
-        results: dict[int, torch.Tensor] = {}
+        in, the others share one batched forward. Returns each row's answered positions, read
+        back from the device in one copy (:func:`~.heads.read_heads`): rows, or a draft step's
+        token id when its call reads tokens only."""
+        parts: list[tuple[torch.Tensor, list[Want]]] = []
+        owners: list[list[int]] = []  # per part: the row of each of its positions
         batched: dict[int, Forward] = {}
         for row, call in calls.items():
             self.truncate(row, call.keep)
             if call.keep == 0:
-                results[row] = self._prefill_alone(row, call)
+                parts.append((self._prefill_alone(row, call), self._wants(call)))
+                owners.append([row] * len(call.want))
             elif call.ids:
                 batched[row] = call
-            else:
-                results[row] = torch.empty((0, len(self.member.vocab)))
-        self._trim()
+        if not self._trimmed:
+            self._trim()
         if batched:
-            results.update(self._forward(batched))
+            logits = self._forward(batched)
+            parts.append((logits, [w for call in batched.values() for w in self._wants(call)]))
+            owners.append([row for row, call in batched.items() for _ in call.want])
         self._maybe_compact()
+        results: dict[int, list[Row]] = {row: [] for row in calls}
+        for rows, part_owners in zip(read_heads(parts), owners, strict=True):
+            for answer, row in zip(rows, part_owners, strict=True):
+                results[row].append(answer)
         return results
+
+    def _wants(self, call: Forward) -> list[Want]:
+        """What each answered position is read back as: a draft step's token (the argmax) or
+        the full row its sampler draws from; a verifier position's head of ``top_logprobs`` ids
+        and its log-prob of the next id fed (its own next token, which SAFE's consensus reads)."""
+        if isinstance(call, _DraftStep) and call.draft is not None:
+            draft = call.draft
+            want = Want(full=True) if draft.sampler is not None else Want(top=int(draft.rows))
+            return [want for _ in call.want]
+        top = self.member.engine.top_logprobs
+        return [
+            Want(top, (call.ids[i + 1],) if i + 1 < len(call.ids) else ()) for i in call.want
+        ]
 
     def _prefill_alone(self, row: int, call: Forward) -> torch.Tensor:
         """A prompt's forward, starting from the longest prefix of it that the member's prefix
@@ -155,7 +204,7 @@ class MemberBatch(EngineBatch):
             first_wanted = min(call.want, default=len(call.ids) - 1)
             reused, cache = store.lookup(call.ids, limit=first_wanted)
         want = [i - reused for i in call.want]
-        rows = forward_logprobs(self.member, call.ids[reused:], cache, want)
+        rows = forward_logits(self.member, call.ids[reused:], cache, want)
         if store is not None:
             store.add(call.ids, cache)
         self._splice(row, cache, len(call.ids))
@@ -199,6 +248,7 @@ class MemberBatch(EngineBatch):
         if keep < self.slots:
             kv_cache.crop(self.cache, keep)
             self.positions = self.positions[:, :keep]
+        self._trimmed = True
 
     def _maybe_compact(self) -> None:
         longest = max(self.lengths, default=0)
@@ -219,24 +269,30 @@ class MemberBatch(EngineBatch):
         )
         self.positions = new_positions
 
-    def _forward(self, calls: dict[int, Forward]) -> dict[int, torch.Tensor]:
+    def _forward(self, calls: dict[int, Forward]) -> torch.Tensor:
+        """One batched forward of the calling rows; the logits at every wanted position, on the
+        member's device, in the calls' order."""
         member = self.member
         device = member.engine.input_device
         width = max(len(call.ids) for call in calls.values())
         pad_id = member.tokenizer.pad_token_id or 0
-        input_ids = torch.full((self.rows, width), pad_id, dtype=torch.long)
-        query_pos = torch.full((self.rows, width), -1, dtype=torch.long)
+        ids_table = [[pad_id] * width for _ in range(self.rows)]
+        positions_table = [[-1] * width for _ in range(self.rows)]
         for row, call in calls.items():
             n = len(call.ids)
-            input_ids[row, :n] = torch.tensor(call.ids)
-            query_pos[row, :n] = torch.arange(self.lengths[row], self.lengths[row] + n)
-        plain = self.rows == 1 and bool((self.positions >= 0).all())
+            ids_table[row][:n] = call.ids
+            positions_table[row][:n] = range(self.lengths[row], self.lengths[row] + n)
+        input_ids = torch.tensor(ids_table, dtype=torch.long)
+        query_pos = torch.tensor(positions_table, dtype=torch.long)
+        # a lone row holds positions 0 .. length - 1 once each, so it has holes iff it has
+        # more slots than tokens
+        plain = self.rows == 1 and self.slots == self.lengths[0]
         if plain:  # a lone, hole-free row: exactly the unbatched forward
             ((row, call),) = calls.items()
-            rows = forward_logprobs(member, call.ids, self.cache, list(call.want))
+            rows = forward_logits(member, call.ids, self.cache, list(call.want))
             self.positions = torch.cat([self.positions, query_pos], dim=1)
             self.lengths[row] += len(call.ids)
-            return {row: rows}
+            return rows
         key_pos = torch.cat([self.positions, query_pos], dim=1)
         # rows without a call would each cost `width` padded positions of compute: when they are
         # the majority, run only the calling rows on a copy of their cache slice
@@ -258,20 +314,14 @@ class MemberBatch(EngineBatch):
             kv_cache.append_rows(self.cache, cache, rows, width)
         hidden = out.last_hidden_state
         picks = [(local[row], i) for row, call in calls.items() for i in call.want]
-        results: dict[int, torch.Tensor] = {}
-        if picks:
-            index_rows = torch.tensor([p[0] for p in picks], device=hidden.device)
-            index_cols = torch.tensor([p[1] for p in picks], device=hidden.device)
-            logprobs = vocab_logprobs(member, self._head(hidden[index_rows, index_cols][None])[0])
-            start = 0
-            for row, call in calls.items():
-                results[row] = logprobs[start : start + len(call.want)]
-                start += len(call.want)
         for row, call in calls.items():
-            results.setdefault(row, torch.empty((0, len(member.vocab))))
             self.lengths[row] += len(call.ids)
         self.positions = key_pos
-        return results
+        if not picks:
+            return hidden.new_empty((0, len(member.vocab)))
+        index_rows = torch.tensor([p[0] for p in picks], device=hidden.device)
+        index_cols = torch.tensor([p[1] for p in picks], device=hidden.device)
+        return vocab_logits(self._head(hidden[index_rows, index_cols][None])[0], len(member.vocab))
 
     # -- model specifics -----------------------------------------------------------------
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -24,17 +24,19 @@ def vocab_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
-def vocab_logprobs(member: Member, logits: torch.Tensor) -> torch.Tensor:
-    """Log-softmax over the member's tokenizer ids, on the CPU where decoding reads them."""
-    return torch.log_softmax(vocab_logits(logits, len(member.vocab)), dim=-1).cpu()
-
-
 @torch.inference_mode()
 def forward_logprobs(
     member: Member, ids: list[int], cache: Any, keep: int | list[int]
 ) -> torch.Tensor:
-    """Feed ``ids`` (one sequence) through ``cache``; log-softmax at the last ``keep`` positions
-    (an int) or at the listed positions of ``ids``.
+    """:func:`forward_logits`' log-softmax, on the CPU."""
+    return torch.log_softmax(forward_logits(member, ids, cache, keep), dim=-1).cpu()
+
+
+@torch.inference_mode()
+def forward_logits(member: Member, ids: list[int], cache: Any, keep: int | list[int]) -> torch.Tensor:
+    """Feed ``ids`` (one sequence) through ``cache``; the logits over the tokenizer's ids
+    (:func:`vocab_logits`) at the last ``keep`` positions (an int) or at the listed positions of
+    ``ids``, on the member's device.
 
     Only the needed rows go through the output layer: for a 262k vocabulary it costs more than
     the rest of a small model.
@@ -51,4 +53,4 @@ def forward_logprobs(
         logits = logits[-keep:]
     elif not keep:
         logits = logits[:0]
-    return vocab_logprobs(member, logits)
+    return vocab_logits(logits, len(member.vocab))

@@ -52,10 +52,12 @@ def load_hf_member(
     device_map: str | None = None,
     fast_small_linear: str = "auto",
     prefix_cache_mb: float = 256,
+    top_logprobs: int = 20,
 ) -> Member:
     """Load one member onto ``device`` (checked: a device this machine lacks is an error), or
     with ``device_map="auto"`` spread by accelerate over the GPUs (``device`` then only picks
-    the dtype: bfloat16 for ``cuda`` under ``dtype=auto``)."""
+    the dtype: bfloat16 for ``cuda`` under ``dtype=auto``). ``top_logprobs``: ids of each verifier
+    position's head read back from the device (:mod:`.heads`)."""
     from lm_eval_safe.engines.hf import HFEngine
     from lm_eval_safe.engines.hf.prefix_cache import PrefixStore
     from lm_eval_safe.engines.hf.small_rows import SmallRowLinears
@@ -76,7 +78,7 @@ def load_hf_member(
         tokenizer=tokenizer,
         config=model.config,
         generation_config=model.generation_config,
-        engine=HFEngine(model, device_map, small_rows, store),
+        engine=HFEngine(model, device_map, small_rows, store, top_logprobs),
         device=device,
         dtype=torch_dtype,
         max_length=config_max_length(model.config, tokenizer, max_length),

@@ -52,7 +52,10 @@ def matrix_form(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     flat = x.reshape(rows, x.shape[-1])
     if rows == 1:
         flat = flat.repeat(2, 1)
-    out = torch.mm(weight, flat.t()).t()[:rows]
+    # in F.linear's row-major layout: a transposed view would make every reduction over the
+    # output's last dimension (the log-softmax over a 262k vocabulary) take the strided path,
+    # several times slower than this one copy
+    out = torch.mm(weight, flat.t()).t()[:rows].contiguous()
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])

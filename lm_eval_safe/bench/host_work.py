@@ -1,0 +1,309 @@
+"""Host work per generated token (``scripts/bench_host.py``): the time a GPU would leave idle.
+
+On a GPU the members' forwards shrink by one or two orders of magnitude and the Python work
+between them does not, so the figure that decides whether a device stays busy is *wall time
+minus the time inside the members' forwards*, per generated token. Two instruments measure it
+on any machine:
+
+- :class:`ForwardClock`: forward hooks on each transformers member's model, its decoder body
+  and its output layer; the outermost of them is timed, so a forward that runs the body and
+  then the head (the batch's path) counts both once, and a whole-model forward counts once.
+- :class:`SyncCounter`: the device-to-host synchronisations the host code asks for. Every
+  tensor computed from a member's weights is *on the member's device* (tagged as it flows
+  through torch functions); reading one back (``.item()``, ``.tolist()``, ``.cpu()``,
+  ``.numpy()``, ``int()``/``float()``/``bool()``, an index, a Python branch) is a
+  synchronisation on a GPU, even though on a CPU it is free. Synchronisations inside a forward
+  (transformers' own) are counted apart. The counter slows torch calls down, so it runs in a
+  pass of its own, after the timed one, on the same jobs (the texts must come out the same).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from lm_eval_safe.decoding import GenerationJob, SafeDecoder
+from lm_eval_safe.engines.hf import kv_cache
+from lm_eval_safe.members import Member
+
+#: configuration -> SafeDecoder options (the issue's three)
+CONFIGURATIONS: dict[str, dict[str, Any]] = {
+    "drafter": {"schedule": "drafter"},
+    "unite_safe": {"schedule": "safe", "aggregator": "unite"},
+    "gac_safe": {"schedule": "safe", "aggregator": "gac"},
+}
+
+_TAG = "_lm_eval_safe_device_member"
+
+#: torch functions that hand a tensor's value to Python (a device-to-host synchronisation on a
+#: GPU); ``Tensor.to`` counts only when it moves to the CPU
+_READS = {
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.cpu,
+    torch.Tensor.numpy,
+    torch.Tensor.__bool__,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
+}
+
+
+class _Depth(threading.local):
+    """A thread's nesting of member forwards (verifiers may run on threads of their own)."""
+
+    depth = 0
+    start = 0.0
+
+
+class ForwardClock:
+    """Seconds spent inside the members' forwards (outermost module call counted once)."""
+
+    def __init__(self, members: Sequence[Member]):
+        self.seconds = 0.0
+        self.forwards: Counter[str] = Counter()  # per member: its batch steps and prefills
+        self._local = _Depth()
+        self._handles: list[Any] = []
+        for member in members:
+            model = member.engine.model
+            leave = partial(self._leave, member.name)
+            for module in {model, kv_cache.decoder(model), model.get_output_embeddings()}:
+                self._handles.append(module.register_forward_pre_hook(self._enter))
+                self._handles.append(module.register_forward_hook(leave))
+
+    @property
+    def depth(self) -> int:
+        return self._local.depth
+
+    def _enter(self, _module: Any, _args: Any) -> None:
+        if self.depth == 0:
+            self._local.start = time.perf_counter()
+        self._local.depth = self.depth + 1
+
+    def _leave(self, name: str, _module: Any, _args: Any, _out: Any) -> None:
+        self._local.depth = self.depth - 1
+        if self.depth == 0:
+            self.seconds += time.perf_counter() - self._local.start
+            self.forwards[name] += 1
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+#: The KV-cache operations the transformers batch runs between forwards: rows added, dropped,
+#: spliced in, cropped, compacted, copied for a subset forward. Device work (on a GPU they run
+#: asynchronously, with no host wait); timed apart so the Python share of the host time shows.
+CACHE_MOVES = (
+    "map_states",
+    "select_rows",
+    "append_rows",
+    "write_row",
+    "crop",
+    "concat_slots",
+    "new_cache",
+    "row_states",
+)
+
+
+class CacheMoveClock:
+    """Seconds inside :data:`CACHE_MOVES` (outermost call once), while installed."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._local = _Depth()
+        self._saved = {name: getattr(kv_cache, name) for name in CACHE_MOVES}
+        for name, function in self._saved.items():
+            setattr(kv_cache, name, self._timed(function))
+
+    def _timed(self, function: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            local = self._local
+            if local.depth:
+                return function(*args, **kwargs)
+            local.depth, start = 1, time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                local.depth = 0
+                self.seconds += time.perf_counter() - start
+
+        return timed
+
+    def close(self) -> None:
+        for name, function in self._saved.items():
+            setattr(kv_cache, name, function)
+
+
+class SyncCounter(TorchFunctionMode):
+    """Device-to-host reads of tensors computed from the members' weights, per member, outside
+    the forwards (``host``) and inside them (``in_forward``, transformers' own)."""
+
+    def __init__(self, members: Sequence[Member], clock: ForwardClock):
+        super().__init__()
+        self.clock = clock
+        self.host: Counter[str] = Counter()
+        self.in_forward: Counter[str] = Counter()
+        self.names = [m.name for m in members]
+        for index, member in enumerate(members):
+            for tensor in (*member.engine.model.parameters(), *member.engine.model.buffers()):
+                setattr(tensor, _TAG, index)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        member = _member_of((args, kwargs))
+        read = member is not None and (func in _READS or (func is torch.Tensor.to and _to_cpu(args, kwargs)))
+        if read:
+            (self.in_forward if self.clock.depth else self.host)[self.names[member]] += 1
+        out = func(*args, **kwargs)
+        if member is not None and not read:
+            for tensor in tree_flatten(out)[0]:
+                if isinstance(tensor, torch.Tensor):
+                    setattr(tensor, _TAG, member)
+        elif read and isinstance(out, torch.Tensor) and out is args[0]:
+            out = out.view_as(out)  # the host copy a GPU would return: no longer on the device
+        return out
+
+
+def _member_of(tree: Any) -> int | None:
+    for leaf in tree_flatten(tree)[0]:
+        if isinstance(leaf, torch.Tensor):
+            member = leaf.__dict__.get(_TAG)
+            if member is not None:
+                return member
+    return None
+
+
+def _to_cpu(args: Any, kwargs: Any) -> bool:
+    targets = [*args[1:], kwargs.get("device")]
+    return any(
+        (isinstance(t, str) and t.startswith("cpu")) or (isinstance(t, torch.device) and t.type == "cpu")
+        for t in targets
+    )
+
+
+@dataclass
+class HostWork:
+    """One configuration at one batch size."""
+
+    configuration: str
+    batch_size: int
+    tokens: int = 0
+    wall_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    cache_move_seconds: float = 0.0
+    forwards: dict[str, int] = field(default_factory=dict)
+    engine_calls: dict[str, int] = field(default_factory=dict)
+    cycles: int = 0
+    ensemble_ops: int = 0
+    host_syncs: dict[str, int] = field(default_factory=dict)
+    forward_syncs: dict[str, int] = field(default_factory=dict)
+    texts: list[str] = field(default_factory=list)
+
+    @property
+    def host_ms_per_token(self) -> float:
+        return 1e3 * (self.wall_seconds - self.forward_seconds) / max(1, self.tokens)
+
+    @property
+    def python_ms_per_token(self) -> float:
+        """Host time less the KV-cache moves: what stays on the host on a GPU."""
+        return 1e3 * (self.wall_seconds - self.forward_seconds - self.cache_move_seconds) / max(1, self.tokens)
+
+    def summary(self) -> dict[str, Any]:
+        tokens = max(1, self.tokens)
+        return {
+            "configuration": self.configuration,
+            "batch_size": self.batch_size,
+            "tokens": self.tokens,
+            "wall_s": round(self.wall_seconds, 3),
+            "forward_s": round(self.forward_seconds, 3),
+            "cache_move_s": round(self.cache_move_seconds, 3),
+            "host_ms_per_token": round(self.host_ms_per_token, 3),
+            "host_ms_per_token_less_cache_moves": round(self.python_ms_per_token, 3),
+            "forwards": self.forwards,
+            "engine_calls": self.engine_calls,
+            "cycles": self.cycles,
+            "ensemble_ops": self.ensemble_ops,
+            "host_syncs": self.host_syncs,
+            "host_syncs_per_token": round(sum(self.host_syncs.values()) / tokens, 3),
+            "host_syncs_per_forward": {
+                name: round(self.host_syncs.get(name, 0) / max(1, n), 3)
+                for name, n in self.forwards.items()
+            },
+            "host_syncs_per_engine_call": {
+                name: round(self.host_syncs.get(name, 0) / max(1, n), 3)
+                for name, n in self.engine_calls.items()
+            },
+            "forward_syncs_per_token": round(sum(self.forward_syncs.values()) / tokens, 3),
+        }
+
+
+@contextmanager
+def _engine_calls(members: Sequence[Member], into: dict[str, int]) -> Iterator[None]:
+    before = {m.name: m.engine.counters.calls for m in members}
+    yield
+    into.update({m.name: m.engine.counters.calls - before[m.name] for m in members})
+
+
+def measure(
+    configuration: str,
+    decoder: SafeDecoder,
+    jobs: list[GenerationJob],
+    batch_size: int,
+    count_syncs: bool = True,
+) -> HostWork:
+    """A timed pass (forward and KV-move clocks only), then, with ``count_syncs``, the
+    counted pass (:func:`count_reads`)."""
+    members = [decoder.drafter, *decoder.verifiers]
+    work = HostWork(configuration, batch_size)
+    for member in members:
+        member.engine.forget_prefixes()
+    clock = ForwardClock(members)
+    moves = CacheMoveClock()
+    try:
+        with _engine_calls(members, work.engine_calls):
+            start = time.perf_counter()
+            results = decoder.generate_many(jobs, batch_size)
+            work.wall_seconds = time.perf_counter() - start
+        work.forward_seconds, work.forwards = clock.seconds, dict(clock.forwards)
+        work.cache_move_seconds = moves.seconds
+    finally:
+        moves.close()
+        clock.close()
+    work.texts = [text for text, _ in results]
+    work.tokens = sum(stats.generated_tokens for _, stats in results)
+    work.cycles = sum(stats.cycles for _, stats in results)
+    work.ensemble_ops = sum(stats.ensemble_ops for _, stats in results)
+    if count_syncs:
+        count_reads(work, decoder, jobs)
+    return work
+
+
+def count_reads(work: HostWork, decoder: SafeDecoder, jobs: list[GenerationJob]) -> None:
+    """The same run again under the :class:`SyncCounter` (slow: never timed), which must write
+    the timed pass's texts; fills ``work``'s sync counts. Benchmarks run every timed pass
+    before the first counted one, so the counter's garbage never weighs on a timing."""
+    members = [decoder.drafter, *decoder.verifiers]
+    for member in members:
+        member.engine.forget_prefixes()
+    clock = ForwardClock(members)
+    try:
+        counter = SyncCounter(members, clock)
+        with counter:
+            counted = decoder.generate_many(jobs, work.batch_size)
+    finally:
+        clock.close()
+    if [text for text, _ in counted] != work.texts:
+        raise RuntimeError(f"{work.configuration}: the counted pass wrote other texts than the timed one")
+    work.host_syncs, work.forward_syncs = dict(counter.host), dict(counter.in_forward)

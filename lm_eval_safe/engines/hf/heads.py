@@ -1,0 +1,161 @@
+"""What the transformers engine reads back from the device: the head of each distribution.
+
+The decoder needs the whole next-token distribution only at the rare ensemble points that a
+head cannot settle (:mod:`lm_eval_safe.certified`); everywhere else it reads a drafted token,
+its probability, a verifier's argmax and its probability of its own next token. So a forward's
+log-softmax rows stay on the member's device, and one copy per batch step brings back, for
+every answered position at once, what its caller asked for (a :class:`Want`): the argmax and
+its log-prob, the ``top`` most probable ids, and the log-probs of a few named ids. A
+:class:`~lm_eval_safe.engines.base.Complete` call later copies the full rows it names.
+
+The head is cut from exactly the tensor the full row would be: every log-prob it holds is the
+float the full row holds, its first id is ``torch.argmax``'s (the first of equal maxima), and a
+decision taken from it is the one taken from the full row or none at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lm_eval_safe.engines.base import TopLogprobs
+
+#: Where a row's largest logit is at least this, the log-softmax's argmax is the logits' own,
+#: so a caller that reads the drafted token only is answered without computing the log-softmax.
+#: Why: the log-softmax subtracts one constant from every logit, ``(x - m) - L`` with ``m`` the
+#: largest logit and ``L = log(sum(exp(x - m)))`` at most ``log(vocab) < 16``; rounding is
+#: monotonic, so no order is reversed, and two ids the logits tell apart become equal only if
+#: their logits are closer than half the float spacing at ``L``. A logit next to ``m >= 16`` is
+#: at least the spacing at 8..16 away, which is no less than the spacing at ``L``. Equal logits
+#: stay equal, and both argmaxes take the first of them. Rows below it take the exact path.
+EXACT_ARGMAX_LOGIT = 16.0
+
+
+@dataclass(frozen=True)
+class Want:
+    """What one caller needs of an answered position: the ``top`` most probable ids (1: the
+    argmax alone; 0: the argmax's id only, no distribution at all), the log-probs of the
+    ``named`` ids too, or the ``full`` row on the host (a sampler draws from it)."""
+
+    top: int = 1
+    named: tuple[int, ...] = ()
+    full: bool = False
+
+
+@dataclass(frozen=True)
+class DeviceRow:
+    """A :class:`TopLogprobs` handle: row ``index`` of a forward's log-softmax on its device."""
+
+    rows: torch.Tensor
+    index: int
+
+
+def read_heads(
+    parts: Sequence[tuple[torch.Tensor, Sequence[Want]]],
+) -> list[list[TopLogprobs | torch.Tensor | int]]:
+    """Each part's rows (``[positions, vocab]`` logits over the tokenizer's ids, on the
+    device, one :class:`Want` per position) as the rows its callers asked for: a
+    :class:`TopLogprobs`, the full log-softmax row on the host (``full``), or the argmax id
+    (``top=0``). One device-to-host copy brings back every head (one more for full rows, and
+    for token-only rows whose largest logit is below :data:`EXACT_ARGMAX_LOGIT`, when any)."""
+    packs: list[torch.Tensor] = []
+    shapes: list[tuple[int, int, int]] = []
+    fulls: list[torch.Tensor] = []
+    sources: list[torch.Tensor | None] = []  # per part: its log-softmax (None: tokens only)
+    for logits, wants in parts:
+        if not wants:
+            shapes.append((0, 0, 0))
+            sources.append(None)
+            continue
+        if all(w.top == 0 for w in wants):
+            best = logits.max(dim=-1)
+            packs.append(torch.stack([best.values.double(), best.indices.double()], dim=1).flatten())
+            shapes.append((len(wants), -1, 0))
+            sources.append(None)
+            continue
+        logprobs = torch.log_softmax(logits, dim=-1)
+        sources.append(logprobs)
+        top = min(max(w.top for w in wants), logprobs.shape[-1])
+        named = max(len(w.named) for w in wants)
+        best = logprobs.max(dim=-1)
+        columns = [
+            best.values[:, None].double(),
+            best.indices[:, None].double(),
+            best.values.exp()[:, None].double(),  # float32, as a full row's row.max().exp()
+        ]
+        if top > 1:
+            head = logprobs.topk(top, dim=-1)
+            columns += [head.values.double(), head.indices.double()]
+        if named:
+            index = torch.tensor(
+                [list(w.named) + [0] * (named - len(w.named)) for w in wants],
+                dtype=torch.long,
+                device=logprobs.device,
+            )
+            columns.append(logprobs.gather(1, index).double())
+        packs.append(torch.cat(columns, dim=1).flatten())
+        shapes.append((len(wants), top if top > 1 else 0, named))
+        full = [i for i, w in enumerate(wants) if w.full]
+        if full:
+            fulls.append(logprobs[full])
+    values = torch.cat(packs).tolist() if packs else []
+    host_rows = list(torch.cat(fulls).cpu().unbind(0)) if fulls else []
+    answers: list[list[TopLogprobs | torch.Tensor | int]] = []
+    start = 0
+    for (logits, wants), (positions, top, named), logprobs in zip(parts, shapes, sources, strict=True):
+        if top < 0:  # tokens only
+            cells = values[start : start + 2 * positions]
+            answers.append(_tokens(logits, cells))
+            start += 2 * positions
+            continue
+        width = 3 + 2 * top + named
+        rows: list[TopLogprobs | torch.Tensor | int] = []
+        for i, want in enumerate(wants):
+            if want.full:
+                rows.append(host_rows.pop(0))
+                continue
+            cells = values[start + i * width : start + (i + 1) * width]
+            assert logprobs is not None
+            rows.append(_head(cells, want, top, logprobs, i))
+        answers.append(rows)
+        start += positions * width
+    return answers
+
+
+def _tokens(logits: torch.Tensor, cells: list[float]) -> list[TopLogprobs | torch.Tensor | int]:
+    """Argmax ids from ``(largest logit, its id)`` pairs; rows whose largest logit is below
+    :data:`EXACT_ARGMAX_LOGIT` take the log-softmax's argmax (one more copy)."""
+    tokens: list[TopLogprobs | torch.Tensor | int] = [int(cells[2 * i + 1]) for i in range(len(cells) // 2)]
+    unsure = [i for i in range(len(tokens)) if not cells[2 * i] >= EXACT_ARGMAX_LOGIT]
+    if unsure:
+        exact = torch.log_softmax(logits[unsure], dim=-1).argmax(dim=-1).tolist()
+        for i, token in zip(unsure, exact, strict=True):
+            tokens[i] = token
+    return tokens
+
+
+def _head(cells: list[float], want: Want, top: int, logprobs: torch.Tensor, index: int) -> TopLogprobs:
+    argmax, best, best_probability = int(cells[1]), cells[0], cells[2]
+    ids, values = [argmax], [best]
+    if top:
+        wanted = min(want.top, top)
+        for lp, token in zip(cells[3 : 3 + wanted], cells[3 + top : 3 + top + wanted], strict=True):
+            if int(token) != argmax:
+                ids.append(int(token))
+                values.append(lp)
+        del ids[wanted:], values[wanted:]  # the argmax was among them, or ties past the K-th
+    known = dict(zip(ids, values, strict=True))
+    for token, lp in zip(want.named, cells[3 + 2 * top :], strict=False):
+        known[token] = lp
+    return TopLogprobs(ids, values, known, DeviceRow(logprobs, index), best_probability)
+
+
+def full_rows(heads: Sequence[TopLogprobs]) -> list[torch.Tensor]:
+    """The full log-softmax rows behind engine heads, with one copy."""
+    handles = [head.handle for head in heads]
+    if not all(isinstance(h, DeviceRow) for h in handles):
+        raise TypeError("Complete names a row the transformers engine did not answer")
+    stacked = torch.stack([h.rows[h.index] for h in handles])
+    return list(stacked.cpu().unbind(0))

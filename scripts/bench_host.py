@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""Host work per generated token: wall time minus the time inside the members' forwards, and
+the device-to-host synchronisations the host code asks for (issue 25).
+
+Why it measures what it does
+----------------------------
+* On a GPU the forwards shrink and the Python between them does not: the host time per
+  generated token (per request: batching does not amortise it) is what leaves a device idle.
+  :mod:`lm_eval_safe.bench.host_work` clocks the forwards with module hooks (outermost call
+  once) and counts every read of a tensor computed from a member's weights (each is a
+  synchronisation on a GPU, free on a CPU), inside and outside the forwards.
+* Configurations: the drafter alone, UniTE+SAFE and GaC+SAFE, on the same few-shot GSM8K
+  prompts (bare prompts make instruct members stop at once), at each batch size, back to back
+  in one process after an untimed warm-up. The sync-counting pass repeats each run (the counter
+  slows torch calls) and must write the same texts.
+* Greedy decoding, stop string ``Question:`` (the few-shot format), ``--max-new-tokens`` each.
+
+Example (alone on the machine)::
+
+    .venv/bin/python scripts/bench_host.py --json benchmarks/issue25/host_work.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import platform
+import pstats
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+from lm_eval_safe.bench.host_work import CONFIGURATIONS, count_reads, measure  # noqa: E402
+from lm_eval_safe.bench.output import fmt, write_json_report  # noqa: E402
+from lm_eval_safe.bench.prompts import load_prompts  # noqa: E402
+from lm_eval_safe.decoding import GenerationJob, SafeDecoder  # noqa: E402
+from lm_eval_safe.engines import load_member  # noqa: E402
+from lm_eval_safe.options import parse_options  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--members", default="gemma3-270m,smollm2-135m", help="the drafter first")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--shots", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--configurations", default=",".join(CONFIGURATIONS))
+    p.add_argument("--data-dir", type=Path, default=REPO_ROOT.parent / "shared" / "data")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--no-syncs", action="store_true", help="skip the sync-counting pass")
+    p.add_argument("--profile", default=None, metavar="CONFIG:BATCH", help="cProfile one run after")
+    p.add_argument("--json", type=Path, default=None, dest="json_out")
+    return p.parse_args(argv)
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| configuration | batch | tokens | wall s | forwards s | KV moves s | host ms/token | less KV moves | host syncs/token | host syncs per forward (per engine call) | syncs/token in forwards |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for r in rows:
+        per_call = ", ".join(
+            f"{name} {per_forward} ({r['host_syncs_per_engine_call'][name]})"
+            for name, per_forward in r["host_syncs_per_forward"].items()
+        )
+        lines.append(
+            f"| {r['configuration']} | {r['batch_size']} | {r['tokens']} | {fmt(r['wall_s'])} | "
+            f"{fmt(r['forward_s'])} | {fmt(r['cache_move_s'])} | {fmt(r['host_ms_per_token'])} | "
+            f"{fmt(r['host_ms_per_token_less_cache_moves'])} | "
+            f"{fmt(r['host_syncs_per_token'])} | {per_call} | {fmt(r['forward_syncs_per_token'])} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    specs = [s.strip() for s in args.members.split(",") if s.strip()]
+    members = [load_member(spec, index=i) for i, spec in enumerate(specs)]
+    prompts = load_prompts(args.data_dir, "gsm8k", args.prompts, args.shots)
+    jobs = [GenerationJob(p, ["Question:"], args.max_new_tokens) for p in prompts]
+    configurations = [c.strip() for c in args.configurations.split(",") if c.strip()]
+    unknown = sorted(set(configurations) - set(CONFIGURATIONS))
+    if unknown:
+        raise SystemExit(f"unknown configuration {unknown}; choose from {sorted(CONFIGURATIONS)}")
+    decoders = {
+        name: SafeDecoder(members, 0, parse_options({"members": specs, **CONFIGURATIONS[name]}))
+        for name in configurations
+    }
+    for decoder in decoders.values():  # lazy set-up (union vocabulary, small-row timings) untimed
+        if decoder.options.aggregator == "gac" and decoder.schedule.needs_verifiers:
+            _ = decoder.ensembler.union
+        for batch_size in (1, 2):  # the batched path checks each model's output layer once
+            decoder.generate_many([GenerationJob(p, ["Question:"], 4) for p in prompts[:2]], batch_size)
+    runs = []
+    for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
+        for name in configurations:
+            work = measure(name, decoders[name], jobs, batch_size, count_syncs=False)
+            runs.append(work)
+            print(
+                f"{name} batch {batch_size}: {work.tokens} tokens, wall {work.wall_seconds:.2f}s, "
+                f"forwards {work.forward_seconds:.2f}s, host {work.host_ms_per_token:.2f} ms/token",
+                file=sys.stderr,
+                flush=True,
+            )
+    if not args.no_syncs:  # after every timed pass: the counter's work never precedes a timing
+        for work in runs:
+            count_reads(work, decoders[work.configuration], jobs)
+            print(f"{work.configuration} batch {work.batch_size}: reads {work.host_syncs}", file=sys.stderr, flush=True)
+    rows = [work.summary() | {"texts": work.texts} for work in runs]
+    print(table(rows))
+    if args.json_out:
+        report = {
+            "config": {
+                "members": specs,
+                "prompts": args.prompts,
+                "shots": args.shots,
+                "max_new_tokens": args.max_new_tokens,
+                "torch_threads": torch.get_num_threads(),
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+                "cpu_count": os.cpu_count(),
+            },
+            "rows": rows,
+        }
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        write_json_report(args.json_out, report)
+    if args.profile:
+        name, batch = args.profile.split(":")
+        profiler = cProfile.Profile()
+        profiler.enable()
+        decoders[name].generate_many(jobs, int(batch))
+        profiler.disable()
+        buffer = io.StringIO()
+        pstats.Stats(profiler, stream=buffer).sort_stats("tottime").print_stats(40)
+        print(buffer.getvalue(), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,145 @@
+"""The transformers engine's read-back (issue 25): heads cut on the device from the full
+log-softmax, token-only drafting, and the benchmark's instruments.
+
+References are brute force on the same tensors: ``torch.log_softmax`` of the row and
+``torch.argmax`` (the first of equal maxima) over it, which is what the engine computed and
+read in full before.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from test_aggregate import member
+
+from lm_eval_safe.aggregate import unite
+from lm_eval_safe.certified import certified_unite
+from lm_eval_safe.decoding import GenerationJob, SafeDecoder
+from lm_eval_safe.engines import load_member
+from lm_eval_safe.engines.base import TopLogprobs, row_max_probability
+from lm_eval_safe.engines.hf.heads import EXACT_ARGMAX_LOGIT, Want, full_rows, read_heads
+from lm_eval_safe.options import parse_options
+
+
+def _rows(seed: int, n: int = 6, vocab: int = 300) -> torch.Tensor:
+    """Logits with exact ties at the maximum, inside the top ids and at the K-th id."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, vocab, generator=g) * 3
+    logits[0, [7, 3, 200]] = logits[0].max() + 1  # tied maxima: the first (3) is the argmax
+    logits[1, [50, 51]] = logits[1].max() + 0.5
+    row = logits[2].sort(descending=True).values
+    logits[2, 10] = row[4]  # level with the 5th most probable
+    return logits
+
+
+def test_heads_are_cut_from_the_log_softmax() -> None:
+    logits = _rows(1)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    wants = [Want(5), Want(1), Want(8, (0, 299)), Want(full=True), Want(20, (3,)), Want(1, (9,))]
+    (answers,) = read_heads([(logits, wants)])
+    for row, (want, answer) in enumerate(zip(wants, answers, strict=True)):
+        full = logprobs[row]
+        if want.full:
+            assert torch.equal(answer, full)
+            continue
+        assert isinstance(answer, TopLogprobs)
+        assert answer.argmax == int(torch.argmax(full))
+        assert len(answer.ids) == want.top == len(set(answer.ids))
+        assert answer.logprobs == [float(full[t]) for t in answer.ids]
+        assert answer.logprobs == sorted(answer.logprobs, reverse=True)
+        outside = full.clone()
+        outside[answer.ids] = -float("inf")
+        assert float(outside.max()) <= answer.logprobs[-1]
+        assert set(want.named) <= set(answer.known)
+        assert all(answer.known[t] == float(full[t]) for t in answer.known)
+        assert row_max_probability(answer) == float(full.max().exp())
+        assert torch.equal(full_rows([answer])[0], full)
+
+
+def test_tokens_only_take_the_log_softmax_argmax() -> None:
+    """Rows whose largest logit is at least EXACT_ARGMAX_LOGIT are answered from the logits;
+    the others from the log-softmax, which can make distinct logits equal: here a flat row
+    where the log-softmax rounds a 1e-7 lead away, so its argmax is id 0, not the logits' 5."""
+    vocab = 262_144
+    flat = torch.zeros(vocab)
+    flat[5] = 1e-7
+    assert int(torch.argmax(flat)) == 5
+    assert int(torch.argmax(torch.log_softmax(flat, dim=-1))) == 0
+    rng = random.Random(3)
+    rows = [flat]
+    for _ in range(40):  # large logits with neighbours one float step below the maximum
+        row = torch.randn(vocab) * rng.choice([1.0, 4.0])
+        top = rng.uniform(EXACT_ARGMAX_LOGIT, 40.0)
+        i, j = rng.sample(range(vocab), 2)
+        row[i] = top
+        row[j] = torch.nextafter(torch.tensor(top), torch.tensor(0.0))
+        rows.append(row)
+    logits = torch.stack(rows)
+    (tokens,) = read_heads([(logits, [Want(0)] * len(rows))])
+    assert tokens == torch.argmax(torch.log_softmax(logits, dim=-1), dim=-1).tolist()
+
+
+def test_a_head_of_one_id_certifies_no_unite_choice() -> None:
+    """The drafter's argmax-only heads cannot name UniTE's top-k strings: no certified answer
+    (the decoder completes the rows), where a head of top_k ids would have given one."""
+    views = [member({"a": 0.6, "b": 0.3, "c": 0.1}), member({"a": 0.2, "b": 0.7, "c": 0.1})]
+    exact = unite(views, "heuristic", 0.3, 2)
+
+    def head(view, k: int):
+        top = torch.topk(view.logprobs, k)
+        ids, lps = top.indices.tolist(), top.values.tolist()
+        return type(view)(TopLogprobs(ids, lps, dict(zip(ids, lps, strict=True))), view.vocab, view.tokenizer, view.weight)
+
+    assert certified_unite([head(views[0], 1), head(views[1], 3)], "heuristic", 0.3, 2) is None
+    wide = certified_unite([head(v, 3) for v in views], "heuristic", 0.3, 2)
+    assert wide is not None and wide.key == exact.key
+
+
+def test_host_reads_at_most_one_per_batch_step(tiny_bpe_dir: Path, tiny_sp_dir: Path) -> None:
+    """The benchmark's counter on tiny members: the drafter reads back once per batched step and
+    a verifier once per call, at batch 1 and 3; the counted pass writes the timed pass's
+    texts, and the clock saw every forward. (A row whose largest logit is below
+    EXACT_ARGMAX_LOGIT costs a second read: test_tokens_only_take_the_log_softmax_argmax.)"""
+    from lm_eval_safe.bench.host_work import measure
+
+    members = [load_member(str(d), index=i) for i, d in enumerate((tiny_bpe_dir, tiny_sp_dir))]
+    with torch.no_grad():  # logits past EXACT_ARGMAX_LOGIT, as a trained drafter's are
+        members[0].engine.model.get_output_embeddings().weight.mul_(200.0)
+    names = [m.name for m in members]
+    jobs = [GenerationJob(p, [], 12) for p in ("the cat sat", "a dog ran over", "numbers like 7 and 8")]
+    for schedule in ("drafter", "safe"):
+        decoder = SafeDecoder(members, 0, parse_options({"members": names, "schedule": schedule}))
+        for batch_size in (1, 3):
+            work = measure(schedule, decoder, jobs, batch_size)
+            assert work.tokens > 0 and work.forward_seconds > 0
+            drafter = names[0]
+            reads = work.host_syncs[drafter]
+            if schedule == "drafter":
+                assert 0 < reads <= work.forwards[drafter]
+            else:  # and one per completion call (ensemble points)
+                assert 0 < reads <= work.forwards[drafter] + work.engine_calls[drafter]
+            if schedule == "safe":
+                verifier = names[1]
+                # one read per call, plus the completions of ensemble points (one per call too)
+                assert work.host_syncs.get(verifier, 0) <= work.engine_calls[verifier]
+
+
+def test_the_counter_sees_reads_of_weights_only(tiny_bpe_dir: Path) -> None:
+    from lm_eval_safe.bench.host_work import ForwardClock, SyncCounter
+
+    m = load_member(str(tiny_bpe_dir))
+    clock = ForwardClock([m])
+    try:
+        with torch.no_grad(), SyncCounter([m], clock) as counter:
+            host = torch.arange(4)
+            int(host.sum())  # a host tensor: no read of the device
+            weight = m.engine.model.get_input_embeddings().weight
+            derived = weight[0].sum() * 2
+            float(derived)
+            derived.tolist()
+            derived.cpu().item()  # the copy is on the host: one read, not two
+        assert counter.host[m.name] == 3
+    finally:
+        clock.close()
