@@ -32,6 +32,10 @@ logger = logging.getLogger(__name__)
 # copies the whole cache, like one forward's ``torch.cat`` does, so it must be rare.
 _COMPACT_SLACK = 48
 
+# Spare slots a batch's cache is given when it is made (kv_cache.SlotLayer): a generation's
+# forwards then write into them instead of copying the cache on every step.
+_SPARE_SLOTS = 64
+
 
 @dataclass
 class _DraftStep(Forward):
@@ -215,11 +219,11 @@ class MemberBatch(EngineBatch):
         batch's cache on the left when the sequence is longer than it."""
         self.lengths[row] = length
         if self.cache is None and self.rows == 1:
-            self.cache = cache
+            self.cache = kv_cache.with_slots(cache, _SPARE_SLOTS)
             self.positions = torch.arange(length, dtype=torch.long)[None]
             return
         if self.cache is None:  # rows exist but hold nothing yet: an all-hole cache to splice into
-            self.cache = cache
+            self.cache = kv_cache.with_slots(cache)
             width = length
             self.positions = torch.full((self.rows, width), -1, dtype=torch.long)
             kv_cache.map_states(self.cache, lambda t: t.expand(self.rows, -1, -1, -1).clone())
@@ -299,7 +303,7 @@ class MemberBatch(EngineBatch):
         rows = sorted(calls)
         subset = 2 * len(rows) <= self.rows
         local = {row: i for i, row in enumerate(rows)} if subset else {r: r for r in calls}
-        cache = kv_cache.select_rows(self.cache, rows) if subset else self.cache
+        cache = kv_cache.select_rows(self.cache, rows, spare=width) if subset else self.cache
         pick = torch.tensor(rows) if subset else slice(None)
         out = kv_cache.run(
             kv_cache.decoder(member.engine.model),

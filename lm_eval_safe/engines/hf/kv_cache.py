@@ -25,6 +25,13 @@ default for an attribute that is missing):
   by up to 20 nats and with no error (what transformers 4.57 did with ``cache=``), so the
   keyword is read from each model class's signature, and a forward that declares neither
   name is refused.
+- **Slots written in place**: ``DynamicLayer.update`` concatenates, so every forward copies
+  the whole cache of every layer (at batch 8 a tenth of a forward's time here, and device
+  memory traffic on a GPU). A batch's cache is held in SlotLayers instead, a
+  ``DynamicLayer`` whose states live in buffers with spare slots: new slots are written in
+  place and ``keys``/``values`` are views of the slots held, which attention reads as the same
+  values (the greedy texts are unchanged). Both generations call ``update(keys, values, ...)``
+  and read ``keys`` to find the length, which is all a layer is asked for here.
 """
 
 from __future__ import annotations
@@ -49,6 +56,76 @@ class UnsupportedModelError(NotImplementedError):
     """A model or cache this module cannot drive faithfully; the message says what to do."""
 
 
+class SlotLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose keys and values live in buffers ``[rows, heads, capacity,
+    dim]`` with spare slots after the ones held: a forward's new slots, a batch's appended
+    slots and a crop cost no copy of the slots already held (the buffers are re-allocated only
+    when they fill up, growing by a quarter at least). Assigning ``keys``/``values`` adopts the
+    tensor as the buffer (rows added, dropped or gathered)."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._held = [0, 0]  # slots held by keys and values (assigned one after the other)
+        super().__init__()
+
+    @classmethod
+    def holding(cls, keys: torch.Tensor, values: torch.Tensor, spare: int) -> SlotLayer:
+        """A layer holding copies of ``keys``/``values`` with ``spare`` slots after them."""
+        layer = cls()
+        layer.device = keys.device
+        layer.is_initialized = True
+        layer._buffers = [_with_spare(keys, spare), _with_spare(values, spare)]
+        layer._held = [keys.shape[2], values.shape[2]]
+        return layer
+
+    def _view(self, which: int) -> torch.Tensor | None:
+        buffer = self._buffers[which]
+        return None if buffer is None else buffer[:, :, : self._held[which]]
+
+    def _adopt(self, which: int, tensor: torch.Tensor | None) -> None:
+        self._buffers[which] = tensor
+        if tensor is not None:
+            self._held[which] = tensor.shape[2]
+
+    keys = property(lambda self: self._view(0), lambda self, t: self._adopt(0, t))
+    values = property(lambda self: self._view(1), lambda self, t: self._adopt(1, t))
+
+    def reserve(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hold ``width`` more slots; returns them (keys, values) for the caller to fill."""
+        keys, values = self._buffers
+        assert keys is not None and values is not None
+        held = self._held[0]
+        if held + width > keys.shape[2]:
+            spare = max(width, 64, held // 4)
+            self._buffers = [_with_spare(keys[:, :, :held], spare + width),
+                             _with_spare(values[:, :, :held], spare + width)]
+            keys, values = self._buffers
+        self._held = [held + width, held + width]
+        return keys[:, :, held : held + width], values[:, :, held : held + width]
+
+    def crop_to(self, length: int) -> None:
+        self._held = [min(held, length) for held in self._held]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            empty = key_states[:, :, :0]
+            layer = SlotLayer.holding(empty, value_states[:, :, :0], key_states.shape[2])
+            self.device, self.is_initialized = layer.device, True
+            self._buffers, self._held = layer._buffers, [0, 0]
+        keys, values = self.reserve(key_states.shape[2])
+        keys.copy_(key_states)
+        values.copy_(value_states)
+        return self.keys, self.values  # type: ignore[return-value]
+
+
+def _with_spare(tensor: torch.Tensor, spare: int) -> torch.Tensor:
+    out = tensor.new_empty((*tensor.shape[:2], tensor.shape[2] + spare, tensor.shape[3]))
+    out[:, :, : tensor.shape[2]] = tensor
+    return out
+
+
 # -- caches -----------------------------------------------------------------------------------
 def new_cache(states: Sequence[LayerStates] | None = None) -> Any:
     """A ``DynamicCache`` without a config, optionally filled with ``states`` (copies).
@@ -67,7 +144,7 @@ def new_cache(states: Sequence[LayerStates] | None = None) -> Any:
 def _layers(cache: Any) -> list[Any]:
     layers = cache.layers
     for layer in layers:
-        if type(layer) is not DynamicLayer:
+        if type(layer) not in (DynamicLayer, SlotLayer):
             raise UnsupportedModelError(
                 f"a cache layer of type {type(layer).__name__}: lm-eval-safe manages "
                 "DynamicLayer states only; report the model and the transformers version"
@@ -99,21 +176,41 @@ def map_states(cache: Any, change: Callable[[torch.Tensor], torch.Tensor]) -> No
 
 def crop(cache: Any, length: int) -> None:
     """Keep the first ``length`` slots of every row."""
-    map_states(cache, lambda t: t[:, :, :length] if t.shape[2] > length else t)
+    for layer in _layers(cache):
+        if type(layer) is SlotLayer:
+            layer.crop_to(length)
+        elif layer.is_initialized and layer.keys.shape[2] > length:
+            layer.keys = layer.keys[:, :, :length]
+            layer.values = layer.values[:, :, :length]
 
 
-def select_rows(cache: Any, rows: torch.Tensor | list[int]) -> Any:
+def with_slots(cache: Any, spare: int = 0) -> Any:
+    """``cache`` with every filled layer a :class:`SlotLayer` (its states copied once, with
+    ``spare`` slots after them): the cache a batch keeps across forwards."""
+    layers = _layers(cache)
+    for i, layer in enumerate(layers):
+        if type(layer) is DynamicLayer and layer.is_initialized:
+            layers[i] = SlotLayer.holding(layer.keys, layer.values, spare)
+    return cache
+
+
+def select_rows(cache: Any, rows: torch.Tensor | list[int], spare: int = 0) -> Any:
     """A new cache holding copies of the given rows (repeats allowed: one row per choice of a
     multiple-choice context). Each layer is indexed on its own device (``device_map`` spreads
-    layers over several GPUs)."""
+    layers over several GPUs). ``spare``: the copies are SlotLayers with that many
+    slots to grow into (a forward on them writes in place)."""
     index = torch.as_tensor(rows, dtype=torch.long)
 
     def pick(t: torch.Tensor) -> torch.Tensor:
         return t.index_select(0, index.to(t.device))
 
-    return new_cache(
-        [None if s is None else (pick(s[0]), pick(s[1])) for s in layer_states(cache)]
-    )
+    picked = [None if s is None else (pick(s[0]), pick(s[1])) for s in layer_states(cache)]
+    if not spare:
+        return new_cache(picked)
+    out = DynamicCache()
+    for states in picked:
+        out.layers.append(DynamicLayer() if states is None else SlotLayer.holding(*states, spare))
+    return out
 
 
 def row_states(cache: Any, row: int, begin: int, end: int) -> list[LayerStates]:
@@ -147,10 +244,19 @@ def append_rows(cache: Any, source: Any, rows: list[int], width: int) -> None:
         part[torch.tensor(rows, device=old.device)] = new[:, :, -width:]
         return torch.cat([old, part], dim=2)
 
+    def fill(part: torch.Tensor, new: torch.Tensor) -> None:
+        part.zero_()
+        part[torch.tensor(rows, device=part.device)] = new[:, :, -width:]
+
     for layer, theirs in zip(_layers(cache), layer_states(source), strict=True):
         if layer.is_initialized and theirs is not None:
-            layer.keys = grown(layer.keys, theirs[0])
-            layer.values = grown(layer.values, theirs[1])
+            if type(layer) is SlotLayer:
+                keys, values = layer.reserve(width)
+                fill(keys, theirs[0])
+                fill(values, theirs[1])
+            else:
+                layer.keys = grown(layer.keys, theirs[0])
+                layer.values = grown(layer.values, theirs[1])
 
 
 def stack_left_padded(caches: Sequence[Any], width: int) -> Any:
