@@ -194,3 +194,33 @@ def test_cache_keyword_comes_from_the_forward_signature() -> None:
     assert kv_cache.run(Legacy(), marker, input_ids=None) is marker
     with pytest.raises(kv_cache.UnsupportedModelError, match="neither cache= nor past_key_values="):
         kv_cache.run(Neither(), marker, input_ids=None)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_slot_layers_give_the_cat_caches_logits_bitwise(
+    tiny_bpe_dir: Path, tiny_gemma_dir: Path, family: str
+) -> None:
+    """A cache written in place (SlotLayer views over buffers with spare slots) feeds attention
+    the same values as transformers' concatenated DynamicCache: float32 logits are equal bit
+    for bit, through growth past the spare slots and a crop, so greedy texts cannot move."""
+    member = load_member(str(tiny_bpe_dir if family == "llama" else tiny_gemma_dir))
+    model = member.engine.model
+    rng = random.Random(3)
+    ids = [rng.randrange(len(member.vocab)) for _ in range(12)]
+    plain, slots = kv_cache.new_cache(), kv_cache.new_cache()
+    with torch.inference_mode():
+        first = kv_cache.run(model, plain, input_ids=torch.tensor([ids])).logits
+        assert torch.equal(first, kv_cache.run(model, slots, input_ids=torch.tensor([ids])).logits)
+        kv_cache.with_slots(slots, spare=2)
+        assert all(type(layer) is kv_cache.SlotLayer for layer in slots.layers)
+        for step in range(7):  # past the 2 spare slots: the buffers are re-allocated
+            if step == 4:
+                kv_cache.crop(plain, 10)
+                kv_cache.crop(slots, 10)
+            token = torch.tensor([[rng.randrange(len(member.vocab))]])
+            want = kv_cache.run(model, plain, input_ids=token).logits
+            got = kv_cache.run(model, slots, input_ids=token).logits
+            assert torch.equal(want, got), step
+            assert kv_cache.seq_length(plain) == kv_cache.seq_length(slots)
+    for mine, theirs in zip(kv_cache.layer_states(slots), kv_cache.layer_states(plain), strict=True):
+        assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[1], theirs[1])
