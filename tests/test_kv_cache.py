@@ -224,3 +224,58 @@ def test_slot_layers_give_the_cat_caches_logits_bitwise(
             assert kv_cache.seq_length(plain) == kv_cache.seq_length(slots)
     for mine, theirs in zip(kv_cache.layer_states(slots), kv_cache.layer_states(plain), strict=True):
         assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[1], theirs[1])
+
+
+def test_slot_layer_row_and_slot_moves_equal_the_tensor_operations() -> None:
+    """Rows added and dropped, slots widened on the left, gathered, cropped and appended, in
+    place in a SlotLayer's buffers (growing past their spare rows and slots): its states
+    equal the same operations done with torch.cat, index_select and gather on plain tensors,
+    for keys and values alike."""
+    rng = random.Random(5)
+    gen = torch.Generator().manual_seed(5)
+
+    def states(rows: int, slots: int) -> torch.Tensor:
+        return torch.randn(rows, 2, slots, 3, generator=gen)
+
+    keys, values = states(1, 4), states(1, 4)
+    cache = kv_cache.new_cache([(keys, values)])
+    kv_cache.with_slots(cache, spare=2, rows=3)
+    want = [keys.expand(3, -1, -1, -1).clone(), values.expand(3, -1, -1, -1).clone()]
+
+    def check(step: str) -> None:
+        ((got_keys, got_values),) = kv_cache.layer_states(cache)
+        assert torch.equal(got_keys, want[0]) and torch.equal(got_values, want[1]), step
+
+    check("with_slots")
+    for step in range(40):
+        rows, slots = want[0].shape[0], want[0].shape[2]
+        move = rng.choice(["add", "keep", "widen", "gather", "crop", "append"])
+        if move == "add" or rows == 1 and move == "keep":
+            count = rng.randint(1, 3)
+            kv_cache.add_rows(cache, count)
+            want = [torch.cat([t, t.new_zeros((count, *t.shape[1:]))]) for t in want]
+        elif move == "keep":
+            kept = sorted(rng.sample(range(rows), rng.randint(1, rows - 1)))
+            kv_cache.keep_rows(cache, kept)
+            want = [t[kept] for t in want]
+        elif move == "widen":
+            grow = rng.randint(1, 5)
+            kv_cache.widen_left(cache, grow)
+            want = [torch.cat([t.new_zeros((*t.shape[:2], grow, t.shape[3])), t], dim=2) for t in want]
+        elif move == "gather":
+            index = torch.tensor([sorted(rng.sample(range(slots), max(1, slots - 2))) for _ in range(rows)])
+            kv_cache.gather_slots(cache, index)
+            expanded = index[:, None, :, None].expand(-1, 2, -1, 3)
+            want = [t.gather(2, expanded) for t in want]
+        elif move == "crop":
+            keep = rng.randint(1, slots)
+            kv_cache.crop(cache, keep)
+            want = [t[:, :, :keep] for t in want]
+        else:  # a forward's new slots, as transformers writes them
+            width = rng.randint(1, 4)
+            new = [states(rows, width), states(rows, width)]
+            with torch.inference_mode():
+                cache.layers[0].update(*new)
+            want = [torch.cat([t, n], dim=2) for t, n in zip(want, new, strict=True)]
+        check(f"{step}: {move}")
+    assert kv_cache.seq_length(cache) == want[0].shape[2]

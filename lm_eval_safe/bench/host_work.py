@@ -106,7 +106,11 @@ class ForwardClock:
 #: spliced in, cropped, compacted, copied for a subset forward. Device work (on a GPU they run
 #: asynchronously, with no host wait); timed apart so the Python share of the host time shows.
 CACHE_MOVES = (
-    "map_states",
+    "with_slots",
+    "add_rows",
+    "keep_rows",
+    "widen_left",
+    "gather_slots",
     "select_rows",
     "append_rows",
     "write_row",

@@ -74,9 +74,7 @@ class MemberBatch(EngineBatch):
         pad = torch.full((1, self.slots), -1, dtype=torch.long)
         self.positions = torch.cat([self.positions, pad]) if self.rows > 1 else pad
         if self.cache is not None:
-            kv_cache.map_states(
-                self.cache, lambda t: torch.cat([t, t.new_zeros((1, *t.shape[1:]))])
-            )
+            kv_cache.add_rows(self.cache, 1)
         return self.rows - 1
 
     def keep_rows(self, rows: list[int]) -> None:
@@ -91,7 +89,7 @@ class MemberBatch(EngineBatch):
                 self.cache = None
                 self.positions = torch.empty((0, 0), dtype=torch.long)
                 return
-            kv_cache.map_states(self.cache, lambda t: t.index_select(0, index.to(t.device)))
+            kv_cache.keep_rows(self.cache, rows)
         self._trim()
 
     def truncate(self, row: int, length: int) -> None:
@@ -218,15 +216,9 @@ class MemberBatch(EngineBatch):
         """Put a lone sequence's cache into ``row``'s last slots (right-aligned), widening the
         batch's cache on the left when the sequence is longer than it."""
         self.lengths[row] = length
-        if self.cache is None and self.rows == 1:
-            self.cache = kv_cache.with_slots(cache, _SPARE_SLOTS)
-            self.positions = torch.arange(length, dtype=torch.long)[None]
-            return
-        if self.cache is None:  # rows exist but hold nothing yet: an all-hole cache to splice into
-            self.cache = kv_cache.with_slots(cache)
-            width = length
-            self.positions = torch.full((self.rows, width), -1, dtype=torch.long)
-            kv_cache.map_states(self.cache, lambda t: t.expand(self.rows, -1, -1, -1).clone())
+        if self.cache is None:  # the first prompt: every other row holds a copy, as holes
+            self.cache = kv_cache.with_slots(cache, _SPARE_SLOTS, rows=self.rows)
+            self.positions = torch.full((self.rows, length), -1, dtype=torch.long)
             self.positions[row] = torch.arange(length)
             return
         grow = length - self.slots
@@ -234,10 +226,7 @@ class MemberBatch(EngineBatch):
             self.positions = torch.cat(
                 [torch.full((self.rows, grow), -1, dtype=torch.long), self.positions], dim=1
             )
-            kv_cache.map_states(
-                self.cache,
-                lambda t: torch.cat([t.new_zeros((*t.shape[:2], grow, t.shape[3])), t], dim=2),
-            )
+            kv_cache.widen_left(self.cache, grow)
         start = self.slots - length
         self.positions[row] = -1
         self.positions[row, start:] = torch.arange(length)
@@ -266,11 +255,7 @@ class MemberBatch(EngineBatch):
                 order[row, longest - live.numel() :] = live
         gather = order.clamp_min(0)
         new_positions = torch.where(order >= 0, self.positions.gather(1, gather), -1)
-        index = gather[:, None, :, None]
-        kv_cache.map_states(
-            self.cache,
-            lambda t: t.gather(2, index.to(t.device).expand(-1, t.shape[1], -1, t.shape[3])),
-        )
+        kv_cache.gather_slots(self.cache, gather)
         self.positions = new_positions
 
     def _forward(self, calls: dict[int, Forward]) -> torch.Tensor:

@@ -31,14 +31,17 @@ default for an attribute that is missing):
   ``DynamicLayer`` whose states live in buffers with spare slots: new slots are written in
   place and ``keys``/``values`` are views of the slots held, which attention reads as the same
   values (the greedy texts are unchanged). Both generations call ``update(keys, values, ...)``
-  and read ``keys`` to find the length, which is all a layer is asked for here.
+  and read ``keys`` to find the length, which is all a layer is asked for here. The buffers
+  keep spare rows too: a request admitted in a finished one's place, a row dropped, a longer
+  prompt's left widening and a compaction move only the slots they must, in place, where
+  ``torch.cat``/``index_select`` copied the whole cache and left no spare slots behind.
 """
 
 from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -57,54 +60,120 @@ class UnsupportedModelError(NotImplementedError):
 
 
 class SlotLayer(DynamicLayer):
-    """A ``DynamicLayer`` whose keys and values live in buffers ``[rows, heads, capacity,
-    dim]`` with spare slots after the ones held: a forward's new slots, a batch's appended
-    slots and a crop cost no copy of the slots already held (the buffers are re-allocated only
-    when they fill up, growing by a quarter at least). Assigning ``keys``/``values`` adopts the
-    tensor as the buffer (rows added, dropped or gathered)."""
+    """A ``DynamicLayer`` whose keys and values live in buffers ``[row capacity, heads, slot
+    capacity, dim]`` with spare rows and slots after the ones held: a forward's new slots, a
+    batch's appended slots, a crop, a row added or dropped cost no copy of the slots already
+    held (the buffers are re-allocated only when they fill up, growing by a quarter at least).
+    Assigning ``keys``/``values`` adopts the tensor as the buffer.
+
+    Keys and values keep their own extent (rows, slots held): transformers assigns them one
+    after the other, and each must read as the tensor it was until its own assignment."""
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor | None] = [None, None]
-        self._held = [0, 0]  # slots held by keys and values (assigned one after the other)
+        self._extent = [(0, 0), (0, 0)]  # (rows, slots) held by keys and by values
         super().__init__()
 
     @classmethod
-    def holding(cls, keys: torch.Tensor, values: torch.Tensor, spare: int) -> SlotLayer:
-        """A layer holding copies of ``keys``/``values`` with ``spare`` slots after them."""
+    def holding(
+        cls, keys: torch.Tensor, values: torch.Tensor, spare: int, rows: int | None = None
+    ) -> SlotLayer:
+        """A layer holding copies of ``keys``/``values`` with ``spare`` slots after them;
+        ``rows``: that many rows, each a copy of the states' single row."""
+        if rows is not None:
+            keys, values = keys.expand(rows, -1, -1, -1), values.expand(rows, -1, -1, -1)
         layer = cls()
         layer.device = keys.device
         layer.is_initialized = True
         layer._buffers = [_with_spare(keys, spare), _with_spare(values, spare)]
-        layer._held = [keys.shape[2], values.shape[2]]
+        layer._extent = [(keys.shape[0], keys.shape[2]), (values.shape[0], values.shape[2])]
         return layer
 
     def _view(self, which: int) -> torch.Tensor | None:
         buffer = self._buffers[which]
-        return None if buffer is None else buffer[:, :, : self._held[which]]
+        rows, slots = self._extent[which]
+        return None if buffer is None else buffer[:rows, :, :slots]
 
     def _adopt(self, which: int, tensor: torch.Tensor | None) -> None:
         self._buffers[which] = tensor
         if tensor is not None:
-            self._held[which] = tensor.shape[2]
+            self._extent[which] = (tensor.shape[0], tensor.shape[2])
 
     keys = property(lambda self: self._view(0), lambda self, t: self._adopt(0, t))
     values = property(lambda self: self._view(1), lambda self, t: self._adopt(1, t))
 
+    def _held(self) -> tuple[list[torch.Tensor], int, int]:
+        """Both buffers and the extent they share (outside a transformers assignment)."""
+        keys, values = self._buffers
+        if keys is None or values is None or self._extent[0] != self._extent[1]:
+            raise RuntimeError("a SlotLayer's keys and values hold different extents")
+        return [keys, values], *self._extent[0]
+
+    def _reallocate(self, rows: int, slots: int, row_capacity: int, slot_capacity: int, offset: int = 0) -> None:
+        """New buffers; the ``rows x slots`` held are copied to slot ``offset`` on."""
+        buffers, _, _ = self._held()
+        fresh = []
+        for buffer in buffers:
+            out = buffer.new_empty((row_capacity, buffer.shape[1], slot_capacity, buffer.shape[3]))
+            out[:rows, :, offset : offset + slots] = buffer[:rows, :, :slots]
+            fresh.append(out)
+        self._buffers = fresh
+
     def reserve(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Hold ``width`` more slots; returns them (keys, values) for the caller to fill."""
+        buffers, rows, held = self._held()
+        if held + width > buffers[0].shape[2]:
+            spare = max(width, 64, held // 4)
+            self._reallocate(rows, held, buffers[0].shape[0], held + width + spare)
+        self._extent = [(rows, held + width)] * 2
         keys, values = self._buffers
         assert keys is not None and values is not None
-        held = self._held[0]
-        if held + width > keys.shape[2]:
-            spare = max(width, 64, held // 4)
-            self._buffers = [_with_spare(keys[:, :, :held], spare + width),
-                             _with_spare(values[:, :, :held], spare + width)]
-            keys, values = self._buffers
-        self._held = [held + width, held + width]
-        return keys[:, :, held : held + width], values[:, :, held : held + width]
+        return keys[:rows, :, held : held + width], values[:rows, :, held : held + width]
 
     def crop_to(self, length: int) -> None:
-        self._held = [min(held, length) for held in self._held]
+        self._extent = [(rows, min(held, length)) for rows, held in self._extent]
+
+    def add_rows(self, count: int) -> None:
+        """``count`` rows of zeros (holes: finite values the masks exclude) after the others."""
+        buffers, rows, held = self._held()
+        if rows + count > buffers[0].shape[0]:
+            self._reallocate(rows, held, rows + count, buffers[0].shape[2])
+        for buffer in self._buffers:
+            assert buffer is not None
+            buffer[rows : rows + count, :, :held].zero_()
+        self._extent = [(rows + count, held)] * 2
+
+    def keep_rows(self, kept: Sequence[int]) -> None:
+        """Keep the listed rows (ascending), in that order: the rows after the first gap move
+        up, the ones before it stay where they are."""
+        buffers, _, held = self._held()
+        moved = next((i for i, row in enumerate(kept) if row != i), len(kept))
+        if moved < len(kept):
+            index = torch.tensor(kept[moved:], dtype=torch.long, device=buffers[0].device)
+            for buffer in buffers:
+                part = buffer[:, :, :held].index_select(0, index)  # a copy: rows overlap
+                buffer[moved : len(kept), :, :held] = part
+        self._extent = [(len(kept), held)] * 2
+
+    def widen_left(self, grow: int) -> None:
+        """``grow`` slots of zeros before every row's slots."""
+        buffers, rows, held = self._held()
+        spare = buffers[0].shape[2] - held
+        self._reallocate(rows, held, buffers[0].shape[0], grow + held + spare, offset=grow)
+        for buffer in self._buffers:
+            assert buffer is not None
+            buffer[:rows, :, :grow].zero_()
+        self._extent = [(rows, grow + held)] * 2
+
+    def gather_slots(self, index: torch.Tensor) -> None:
+        """Row ``r``'s slot ``j`` becomes its slot ``index[r, j]`` (a compaction)."""
+        buffers, rows, held = self._held()
+        width = index.shape[1]
+        for buffer in buffers:
+            expanded = index.to(buffer.device)[:, None, :, None].expand(-1, buffer.shape[1], -1, buffer.shape[3])
+            part = buffer[:rows, :, :held].gather(2, expanded)
+            buffer[:rows, :, :width] = part
+        self._extent = [(rows, width)] * 2
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -113,7 +182,7 @@ class SlotLayer(DynamicLayer):
             empty = key_states[:, :, :0]
             layer = SlotLayer.holding(empty, value_states[:, :, :0], key_states.shape[2])
             self.device, self.is_initialized = layer.device, True
-            self._buffers, self._held = layer._buffers, [0, 0]
+            self._buffers, self._extent = layer._buffers, layer._extent
         keys, values = self.reserve(key_states.shape[2])
         keys.copy_(key_states)
         values.copy_(value_states)
@@ -165,15 +234,6 @@ def seq_length(cache: Any) -> int:
     return 0
 
 
-def map_states(cache: Any, change: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Replace every filled layer's keys and values ``[rows, heads, slots, dim]`` by
-    ``change(t)`` (rows added, dropped or reordered, slots widened or gathered)."""
-    for layer in _layers(cache):
-        if layer.is_initialized:
-            layer.keys = change(layer.keys)
-            layer.values = change(layer.values)
-
-
 def crop(cache: Any, length: int) -> None:
     """Keep the first ``length`` slots of every row."""
     for layer in _layers(cache):
@@ -184,14 +244,53 @@ def crop(cache: Any, length: int) -> None:
             layer.values = layer.values[:, :, :length]
 
 
-def with_slots(cache: Any, spare: int = 0) -> Any:
+def with_slots(cache: Any, spare: int = 0, rows: int | None = None) -> Any:
     """``cache`` with every filled layer a :class:`SlotLayer` (its states copied once, with
-    ``spare`` slots after them): the cache a batch keeps across forwards."""
+    ``spare`` slots after them): the cache a batch keeps across forwards. ``rows``: that many
+    rows, each a copy of the cache's single row (a batch's first prompt, which its other rows'
+    holes then copy until their own prompts are written over them)."""
     layers = _layers(cache)
     for i, layer in enumerate(layers):
         if type(layer) is DynamicLayer and layer.is_initialized:
-            layers[i] = SlotLayer.holding(layer.keys, layer.values, spare)
+            layers[i] = SlotLayer.holding(layer.keys, layer.values, spare, rows)
     return cache
+
+
+def _slot_layers(cache: Any) -> list[SlotLayer]:
+    """The filled layers of a batch's cache, which :func:`with_slots` made SlotLayers."""
+    layers = [layer for layer in _layers(cache) if layer.is_initialized]
+    if not all(type(layer) is SlotLayer for layer in layers):
+        raise TypeError("a batch's rows are added and dropped in a with_slots() cache only")
+    return layers
+
+
+@torch.inference_mode()  # the buffers are inference tensors: written in place
+def add_rows(cache: Any, count: int) -> None:
+    """``count`` rows of holes (zeros) after the cache's rows, in place while the buffers have
+    room (a batch keeps the rows its size allows)."""
+    for layer in _slot_layers(cache):
+        layer.add_rows(count)
+
+
+@torch.inference_mode()  # the buffers are inference tensors: written in place
+def keep_rows(cache: Any, rows: Sequence[int]) -> None:
+    """Keep the listed rows (ascending) in that order, moving only the rows after a gap."""
+    for layer in _slot_layers(cache):
+        layer.keep_rows(rows)
+
+
+@torch.inference_mode()  # the buffers are inference tensors: written in place
+def widen_left(cache: Any, grow: int) -> None:
+    """``grow`` slots of holes (zeros) before every row's slots (a longer prompt arrived)."""
+    for layer in _slot_layers(cache):
+        layer.widen_left(grow)
+
+
+@torch.inference_mode()  # the buffers are inference tensors: written in place
+def gather_slots(cache: Any, index: torch.Tensor) -> None:
+    """Row ``r``'s slot ``j`` becomes its slot ``index[r, j]``, in every layer (compaction)."""
+    for layer in _slot_layers(cache):
+        layer.gather_slots(index)
 
 
 def select_rows(cache: Any, rows: torch.Tensor | list[int], spare: int = 0) -> Any:
