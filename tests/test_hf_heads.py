@@ -19,7 +19,7 @@ from lm_eval_safe.certified import certified_unite
 from lm_eval_safe.decoding import GenerationJob, SafeDecoder
 from lm_eval_safe.engines import load_member
 from lm_eval_safe.engines.base import TopLogprobs, row_max_probability
-from lm_eval_safe.engines.hf.heads import EXACT_ARGMAX_LOGIT, Want, full_rows, read_heads
+from lm_eval_safe.engines.hf.heads import EXACT_ARGMAX_LOGIT, Want, full_rows, largest, read_heads
 from lm_eval_safe.options import parse_options
 
 
@@ -56,6 +56,35 @@ def test_heads_are_cut_from_the_log_softmax() -> None:
         assert all(answer.known[t] == float(full[t]) for t in answer.known)
         assert row_max_probability(answer) == float(full.max().exp())
         assert torch.equal(full_rows([answer])[0], full)
+
+
+def test_largest_is_max_bit_for_bit() -> None:
+    """The blockwise maximum equals ``torch.max(dim=-1)``, values and first ids, on rows with
+    many exact ties (rounded logits, maxima in several blocks, in the short last block and at
+    the very last id), a NaN, an all ``-inf`` row, widths a whole number of blocks or not, one
+    row or several, float32 and bfloat16."""
+    g = torch.Generator().manual_seed(4)
+    checked = 0
+    for width in (4096, 5000, 49152, 262144, 151936):
+        for n in (1, 8):
+            for dtype in (torch.float32, torch.bfloat16):
+                rows = (torch.randn(n, width, generator=g) * 2).round().to(dtype)
+                if n > 1:
+                    top = rows.max() + 1
+                    rows[1, [width - 1, 17]] = top  # the first of two blocks
+                    rows[2, width - 1] = top  # the last id, in the short last block
+                    rows[3, [2000, 1999]] = top
+                    rows[4, 3000] = float("nan")
+                    rows[4, 4000] = float("nan")
+                    rows[5] = float("-inf")
+                want = rows.max(dim=-1)
+                values, indices = largest(rows)
+                assert torch.equal(indices, want.indices), (width, n, dtype)
+                assert torch.equal(values.isnan(), want.values.isnan())
+                finite = ~want.values.isnan()
+                assert torch.equal(values[finite], want.values[finite])
+                checked += 1
+    assert checked == 20
 
 
 def test_tokens_only_take_the_log_softmax_argmax() -> None:

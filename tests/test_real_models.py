@@ -69,7 +69,11 @@ def test_smollm2_loglikelihood_equals_lm_eval_hf(smollm) -> None:
     for (a, ga), (b, gb) in zip(
         smollm.loglikelihood(requests, disable_tqdm=True), hf.loglikelihood(requests, disable_tqdm=True), strict=True
     ):
-        assert a == pytest.approx(b, abs=1e-4) and ga == gb
+        # float32: the scorer's cached-context forward and hf's single forward run matmuls of
+        # other shapes, whose rounding differs by CPU (1.0e-4 on "Yes, it is." on an AMD EPYC
+        # VM, within 1e-4 on earlier ones; the other real tests allow 1e-3); a misread cache
+        # or token boundary costs nats
+        assert a == pytest.approx(b, abs=1e-3) and ga == gb
 
 
 @pytest.mark.parity
