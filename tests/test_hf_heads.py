@@ -60,19 +60,19 @@ def test_heads_are_cut_from_the_log_softmax() -> None:
 
 def test_largest_is_max_bit_for_bit() -> None:
     """The blockwise maximum equals ``torch.max(dim=-1)``, values and first ids, on rows with
-    many exact ties (rounded logits, maxima in several blocks, in the short last block and at
-    the very last id), a NaN, an all ``-inf`` row, widths a whole number of blocks or not, one
-    row or several, float32 and bfloat16."""
+    many exact ties (rounded logits, maxima in several blocks, at the very last id), NaNs, an
+    all ``-inf`` row; blocks of 1024 ids (gemma3, smollm2), 1187 (Qwen) and 1000, a prime width
+    (no block: ``max`` itself), one row or several, float32 and bfloat16."""
     g = torch.Generator().manual_seed(4)
     checked = 0
-    for width in (4096, 5000, 49152, 262144, 151936):
+    for width in (4096, 49152, 131071, 151936, 160000, 262144):
         for n in (1, 8):
             for dtype in (torch.float32, torch.bfloat16):
                 rows = (torch.randn(n, width, generator=g) * 2).round().to(dtype)
                 if n > 1:
                     top = rows.max() + 1
                     rows[1, [width - 1, 17]] = top  # the first of two blocks
-                    rows[2, width - 1] = top  # the last id, in the short last block
+                    rows[2, width - 1] = top  # the very last id
                     rows[3, [2000, 1999]] = top
                     rows[4, 3000] = float("nan")
                     rows[4, 4000] = float("nan")
@@ -84,7 +84,7 @@ def test_largest_is_max_bit_for_bit() -> None:
                 finite = ~want.values.isnan()
                 assert torch.equal(values[finite], want.values[finite])
                 checked += 1
-    assert checked == 20
+    assert checked == 24
 
 
 def test_tokens_only_take_the_log_softmax_argmax() -> None:
