@@ -279,3 +279,33 @@ def test_slot_layer_row_and_slot_moves_equal_the_tensor_operations() -> None:
             want = [torch.cat([t, n], dim=2) for t, n in zip(want, new, strict=True)]
         check(f"{step}: {move}")
     assert kv_cache.seq_length(cache) == want[0].shape[2]
+
+
+def test_slot_layer_gives_rows_back_and_refills_in_one_reallocation() -> None:
+    """A batch's tail (half its rows or fewer left, none to admit) gives the finished rows'
+    memory back; the requests that then refill it grow the buffers once, to the most rows held
+    before, not once per admitted row; the states held stay as they were throughout."""
+    gen = torch.Generator().manual_seed(7)
+    keys, values = torch.randn(1, 2, 6, 3, generator=gen), torch.randn(1, 2, 6, 3, generator=gen)
+    cache = kv_cache.new_cache([(keys, values)])
+    kv_cache.with_slots(cache, spare=2, rows=8)
+
+    def buffer_bytes() -> int:
+        return cache.layers[0].keys.untyped_storage().nbytes()
+
+    full = buffer_bytes()
+    kv_cache.keep_rows(cache, [1, 6, 7])  # 3 of 8: 5 rows given back
+    assert buffer_bytes() == full * 3 // 8
+    ((held_keys, held_values),) = kv_cache.layer_states(cache)
+    assert torch.equal(held_keys, keys.expand(3, -1, -1, -1))
+    assert torch.equal(held_values, values.expand(3, -1, -1, -1))
+    storages = set()
+    for _ in range(5):  # the refill: one re-allocation, back to 8 rows
+        kv_cache.add_rows(cache, 1)
+        storages.add(cache.layers[0].keys.untyped_storage().data_ptr())
+    assert len(storages) == 1 and buffer_bytes() == full
+    ((held_keys, _),) = kv_cache.layer_states(cache)
+    assert torch.equal(held_keys[:3], keys.expand(3, -1, -1, -1))
+    assert not held_keys[3:].any()
+    kv_cache.keep_rows(cache, [0, 1, 2, 3, 4])  # more than half kept: nothing moves
+    assert buffer_bytes() == full

@@ -72,6 +72,7 @@ class SlotLayer(DynamicLayer):
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._extent = [(0, 0), (0, 0)]  # (rows, slots) held by keys and by values
+        self._peak_rows = 0  # the most rows held at once: a refill after a shrink grows back to it
         super().__init__()
 
     @classmethod
@@ -87,6 +88,7 @@ class SlotLayer(DynamicLayer):
         layer.is_initialized = True
         layer._buffers = [_with_spare(keys, spare), _with_spare(values, spare)]
         layer._extent = [(keys.shape[0], keys.shape[2]), (values.shape[0], values.shape[2])]
+        layer._peak_rows = keys.shape[0]
         return layer
 
     def _view(self, which: int) -> torch.Tensor | None:
@@ -134,10 +136,13 @@ class SlotLayer(DynamicLayer):
         self._extent = [(rows, min(held, length)) for rows, held in self._extent]
 
     def add_rows(self, count: int) -> None:
-        """``count`` rows of zeros (holes: finite values the masks exclude) after the others."""
+        """``count`` rows of zeros (holes: finite values the masks exclude) after the others.
+        Buffers that must grow take the most rows ever held at once, so the requests that refill
+        a batch after :meth:`keep_rows` shrank it cost one re-allocation, not one each."""
         buffers, rows, held = self._held()
+        self._peak_rows = max(self._peak_rows, rows + count)
         if rows + count > buffers[0].shape[0]:
-            self._reallocate(rows, held, rows + count, buffers[0].shape[2])
+            self._reallocate(rows, held, self._peak_rows, buffers[0].shape[2])
         for buffer in self._buffers:
             assert buffer is not None
             buffer[rows : rows + count, :, :held].zero_()
@@ -145,8 +150,16 @@ class SlotLayer(DynamicLayer):
 
     def keep_rows(self, kept: Sequence[int]) -> None:
         """Keep the listed rows (ascending), in that order: the rows after the first gap move
-        up, the ones before it stay where they are."""
+        up, the ones before it stay where they are. Once half the row capacity or less is kept
+        (a run's last requests, with none left to admit), the buffers shrink to the rows kept,
+        so finished rows' memory is given back as it was when rows were copied out."""
         buffers, _, held = self._held()
+        if len(kept) <= buffers[0].shape[0] // 2:
+            index = torch.tensor(kept, dtype=torch.long, device=buffers[0].device)
+            spare = buffers[0].shape[2] - held
+            self._buffers = [_with_spare(b[:, :, :held].index_select(0, index), spare) for b in buffers]
+            self._extent = [(len(kept), held)] * 2
+            return
         moved = next((i for i, row in enumerate(kept) if row != i), len(kept))
         if moved < len(kept):
             index = torch.tensor(kept[moved:], dtype=torch.long, device=buffers[0].device)
