@@ -120,14 +120,14 @@ def _top_keys(view: View, k: int) -> list[bytes]:
     return [view.vocab.keys[i] for i in row.ids[:k]]
 
 
-def _short(views: Sequence[View], top_k: int) -> bool:
-    """Whether a head names fewer ids than the top-k lists the rule reads (an engine asked for
-    the argmax alone): it cannot say which strings are the candidates."""
-    return any(
-        len(v.logprobs.ids) < min(top_k, len(v.vocab.keys))
-        for v in views
-        if isinstance(v.logprobs, TopLogprobs)
-    )
+def short_heads(views: Sequence[View], top_k: int) -> list[int]:
+    """The views whose head names fewer ids than the top-k lists the rule reads (an engine
+    asked for the argmax alone): it cannot say which strings are the candidates."""
+    return [
+        slot
+        for slot, v in enumerate(views)
+        if isinstance(v.logprobs, TopLogprobs) and len(v.logprobs.ids) < min(top_k, len(v.vocab.keys))
+    ]
 
 
 def _unique_winner(scores: dict[bytes, Interval], others_high: float = -math.inf) -> bytes | None:
@@ -245,7 +245,7 @@ def certified_gac(
     weights = _normalised(views)
     if sharpen == "geometric" and any(w <= 0 for w in weights):
         return None  # 0 * log 0 in the exact rule: leave it to the full distributions
-    if sharpen == "heuristic" and _short(views, top_k):
+    if sharpen == "heuristic" and short_heads(views, top_k):
         return None
     heads = _heads(views, weights)
     seen = list(
@@ -291,7 +291,7 @@ def _unite_member(view: View, head: Head, keys: list[bytes]) -> dict[bytes, Inte
 
 def certified_unite(views: Sequence[View], sharpen: str, lam: float, top_k: int) -> Choice | None:
     """:func:`lm_eval_safe.aggregate.unite` from heads, or None where they do not settle it."""
-    if _short(views, top_k):
+    if short_heads(views, top_k):
         return None
     weights = _normalised(views)
     keys = list(dict.fromkeys(k for view in views for k in _top_keys(view, top_k)))

@@ -21,7 +21,7 @@ from lm_eval_safe.batch_driver import CYCLE_END, Steps, run_batched
 from lm_eval_safe.draft_window import DraftWindow
 from lm_eval_safe.engines import engines_active
 from lm_eval_safe.engines.base import is_full
-from lm_eval_safe.ensembling import Ensembler, complete_views
+from lm_eval_safe.ensembling import Ensembler, complete_views, widen_views
 from lm_eval_safe.latency import CycleForwards, forward_depth
 from lm_eval_safe.member_runs import DrafterRun, VerifierRun, WindowExhausted, verifier_reserve
 from lm_eval_safe.members import Member
@@ -281,6 +281,10 @@ class SafeDecoder:
             choice = None
             if state.sampler is None:
                 choice = self.ensembler.choose(views)
+                short = self.ensembler.short_heads(views) if choice is None else []
+                if short:  # the drafter's head of one id: its top ids, not its whole row
+                    views = yield from widen_views(views, short, self.ensembler.head_width)
+                    choice = self.ensembler.choose(views)
             if heads:
                 # sampling draws from the whole ensemble distribution and a greedy choice the
                 # heads left open is taken on the full ones; a trace shows the ensemble's top

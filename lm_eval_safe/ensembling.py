@@ -22,7 +22,7 @@ from lm_eval_safe.aggregate import (
     unite,
     unite_distribution,
 )
-from lm_eval_safe.certified import as_head, certified_gac, certified_unite
+from lm_eval_safe.certified import as_head, certified_gac, certified_unite, short_heads
 from lm_eval_safe.disk_cache import cache_root
 from lm_eval_safe.engines.base import Complete, is_full
 from lm_eval_safe.members import Member
@@ -45,6 +45,17 @@ def complete_views(views: list[View]) -> Any:
             (full,) = yield Complete(slot, [view.logprobs])
             completed[slot] = View(full, view.vocab, view.tokenizer, view.weight)
     return completed
+
+
+def widen_views(views: list[View], slots: list[int], top: int) -> Any:
+    """Steps returning ``views`` with the heads at ``slots`` widened to ``top`` ids (one
+    :class:`~lm_eval_safe.engines.base.Complete` call with ``top`` per member)."""
+    widened = list(views)
+    for slot in slots:
+        view = views[slot]
+        (head,) = yield Complete(slot, [view.logprobs], top=top)
+        widened[slot] = View(head, view.vocab, view.tokenizer, view.weight)
+    return widened
 
 
 class Ensembler:
@@ -78,6 +89,20 @@ class Ensembler:
         if o.aggregator == "gac":
             return certified_gac(heads, self.union, o.sharpen, o.sharpen_lambda, o.top_k)
         return certified_unite(heads, o.sharpen, o.sharpen_lambda, o.top_k)
+
+    def short_heads(self, views: list[View]) -> list[int]:
+        """The views whose heads are too short for :meth:`choose` to name the candidates from
+        (UniTE's top-k strings, and GaC's heuristic sharpening's): a greedy decision widens them
+        (:func:`widen_views`) before it asks for the full distributions."""
+        o = self.options
+        if o.aggregator == "gac" and o.sharpen != "heuristic":
+            return []
+        return short_heads(views, o.top_k)
+
+    @property
+    def head_width(self) -> int:
+        """Ids a widened head holds: the engines' ``top_logprobs``, and never fewer than top_k."""
+        return max(self.options.top_logprobs, self.options.top_k)
 
     # -- sampled ----------------------------------------------------------------------------
     def sample(

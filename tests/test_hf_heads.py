@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
 import torch
 from test_aggregate import member
 
@@ -170,5 +171,86 @@ def test_the_counter_sees_reads_of_weights_only(tiny_bpe_dir: Path) -> None:
             derived.tolist()
             derived.cpu().item()  # the copy is on the host: one read, not two
         assert counter.host[m.name] == 3
+        # device work: the sum and the product (not the row, a view; not the reads; not the
+        # host tensors: arange, its sum, int(), .item() of the copy)
+        assert counter.device_ops == 2 and counter.device_seconds > 0
+        assert counter.host_ops == 5
+        with torch.no_grad(), SyncCounter([m], clock) as counter:
+            rows = weight[:3].clone()  # one kernel (the slice is a view)
+            rows.zero_()  # one in place
+            rows[0] = 1.0  # one write
+            _ = rows.shape, rows.numel(), rows.float(), rows.unflatten(-1, (2, -1))  # metadata, views
+        assert counter.device_ops == 3
     finally:
         clock.close()
+
+
+def test_wider_heads_are_the_rows_top_ids_argmax_first() -> None:
+    """A widened head holds the ``top`` most probable ids of the same log-softmax row, the
+    first of equal maxima first, and still knows the ids it knew (a verifier's own token)."""
+    from lm_eval_safe.engines.hf.heads import wider_heads
+
+    logits = _rows(2)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    wants = [Want(1), Want(1, (299,)), Want(3), Want(1), Want(2), Want(1)]
+    (heads,) = read_heads([(logits, wants)])
+    wide = wider_heads(heads, 12)
+    for row, (head, widened) in enumerate(zip(heads, wide, strict=True)):
+        full = logprobs[row]
+        assert widened.argmax == int(torch.argmax(full)) == head.argmax
+        assert len(widened.ids) == 12 == len(set(widened.ids))
+        assert widened.logprobs == [float(full[t]) for t in widened.ids]
+        outside = full.clone()
+        outside[widened.ids] = -float("inf")
+        assert float(outside.max()) <= widened.logprobs[-1]
+        assert set(head.known) <= set(widened.known)
+        assert all(widened.known[t] == float(full[t]) for t in widened.known)
+        assert widened.max_probability == head.max_probability
+        assert torch.equal(full_rows([widened])[0], full)
+    assert 299 in wide[1].known
+
+
+def test_short_drafter_heads_widen_and_decide_as_the_full_rows(
+    tiny_bpe_dir: Path, tiny_sp_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A drafter head of one id cannot name UniTE's candidates (nor GaC's sharpening's): the
+    decoder widens it to ``top_logprobs`` ids before asking for full rows. Every decision
+    certified from a widened head equals the exact aggregator's on the full rows, and the texts
+    equal those of a decoder that never widens (every such point decided on full rows)."""
+    from lm_eval_safe import ensembling
+    from lm_eval_safe.aggregate import View, gac
+    from lm_eval_safe.engines.base import Complete
+
+    members = [load_member(str(d), index=i) for i, d in enumerate((tiny_bpe_dir, tiny_sp_dir))]
+    names = [m.name for m in members]
+    jobs = [GenerationJob(p, [], 16) for p in ("the cat sat on", "a dog ran over the", "numbers like 7 and")]
+    seen = []
+    for aggregator, certify in (("unite", "certified_unite"), ("gac", "certified_gac")):
+        original = getattr(ensembling, certify)
+
+        def spy(views, *args, _original=original, _aggregator=aggregator):
+            choice = _original(views, *args)
+            if choice is not None and len(views[0].logprobs.ids) > 1:
+                seen.append((_aggregator, views, args, choice))
+            return choice
+
+        options = {"members": names, "schedule": "every", "aggregator": aggregator}
+        decoder = SafeDecoder(members, 0, parse_options(options))
+        with monkeypatch.context() as patch:
+            patch.setattr(ensembling, certify, spy)
+            widened = decoder.generate_many(jobs, batch_size=2)
+        with monkeypatch.context() as patch:
+            patch.setattr(ensembling.Ensembler, "short_heads", lambda self, views: [])
+            full = SafeDecoder(members, 0, parse_options(options)).generate_many(jobs, batch_size=2)
+        assert [text for text, _ in widened] == [text for text, _ in full]
+        ops = sum(s.ensemble_ops for _, s in widened)
+        assert sum(s.full_decisions for _, s in full) == ops > 0
+        assert sum(s.full_decisions for _, s in widened) < ops
+    assert sum(a == "unite" for a, *_ in seen) > 10 and sum(a == "gac" for a, *_ in seen) > 10
+    batches = [m.engine.new_batch() for m in members]
+    for aggregator, views, args, choice in seen:
+        rows = [batches[slot].run({0: Complete(slot, [v.logprobs])})[0][0] for slot, v in enumerate(views)]
+        full_views = [View(r, v.vocab, v.tokenizer, v.weight) for r, v in zip(rows, views, strict=True)]
+        union = args[0] if aggregator == "gac" else None
+        exact = gac(full_views, *args) if union is not None else unite(full_views, *args)
+        assert (exact.key, exact.sharpened) == (choice.key, choice.sharpened)

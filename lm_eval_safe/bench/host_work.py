@@ -19,6 +19,7 @@ on any machine:
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import Counter
@@ -152,13 +153,23 @@ class CacheMoveClock:
 
 class SyncCounter(TorchFunctionMode):
     """Device-to-host reads of tensors computed from the members' weights, per member, outside
-    the forwards (``host``) and inside them (``in_forward``, transformers' own)."""
+    the forwards (``host``) and inside them (``in_forward``, transformers' own); and the
+    *device work* outside the forwards: every torch call on such a tensor that runs a kernel
+    (:func:`_runs_kernel`: not a view, a metadata query or a no-op conversion), which a GPU
+    runs asynchronously, in microseconds, where this CPU computes it in line (heads, KV
+    moves): counted (``device_ops``, a kernel launch each on a GPU, which its host pays for)
+    and timed (``device_seconds``). Every other torch call outside the forwards is host work on
+    any machine (views, shapes; positions and masks built on the host before they move):
+    counted apart (``host_ops``)."""
 
     def __init__(self, members: Sequence[Member], clock: ForwardClock):
         super().__init__()
         self.clock = clock
         self.host: Counter[str] = Counter()
         self.in_forward: Counter[str] = Counter()
+        self.device_ops = 0
+        self.device_seconds = 0.0
+        self.host_ops = 0
         self.names = [m.name for m in members]
         for index, member in enumerate(members):
             for tensor in (*member.engine.model.parameters(), *member.engine.model.buffers()):
@@ -170,7 +181,16 @@ class SyncCounter(TorchFunctionMode):
         read = member is not None and (func in _READS or (func is torch.Tensor.to and _to_cpu(args, kwargs)))
         if read:
             (self.in_forward if self.clock.depth else self.host)[self.names[member]] += 1
+        # the mode is off inside func: a torch call made by this one is not seen again
+        start = time.perf_counter()
         out = func(*args, **kwargs)
+        seconds = time.perf_counter() - start
+        if not (self.clock.depth or read):
+            if member is not None and _runs_kernel(func, args, kwargs, out):
+                self.device_ops += 1
+                self.device_seconds += seconds
+            else:
+                self.host_ops += 1
         if member is not None and not read:
             for tensor in tree_flatten(out)[0]:
                 if isinstance(tensor, torch.Tensor):
@@ -178,6 +198,35 @@ class SyncCounter(TorchFunctionMode):
         elif read and isinstance(out, torch.Tensor) and out is args[0]:
             out = out.view_as(out)  # the host copy a GPU would return: no longer on the device
         return out
+
+
+#: a torch method writing its first argument (``x.zero_()``, ``x += y``)
+_IN_PLACE = re.compile(r"^[a-z][a-z0-9_]*_$|^__i(add|sub|mul|truediv|floordiv|mod|pow|and|or|xor|lshift|rshift|matmul)__$")
+#: calls that allocate without computing (a caching allocator's work, on the host)
+_ALLOCATIONS = {"new_empty", "empty", "empty_like"}
+
+
+def _runs_kernel(func: Any, args: Any, kwargs: Any, out: Any) -> bool:
+    """Whether a torch call computed or wrote tensor data (a kernel on a GPU) rather than
+    reading metadata (a shape, ``numel``), making a view (a slice, ``expand``, ``unflatten``),
+    allocating, or returning its input unchanged (``.to`` the dtype it has). A view is told by
+    its storage, which is an input's (inference mode keeps no view records)."""
+    if out is None:  # __setitem__, and the other writes that return nothing
+        return True
+    outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    name = getattr(func, "__name__", "")
+    if not outputs or name in _ALLOCATIONS:
+        return False
+    inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    storages = {t.untyped_storage().data_ptr() for t in inputs}
+    for tensor in outputs:
+        if tensor.numel() == 0:
+            continue
+        if tensor.untyped_storage().data_ptr() not in storages:
+            return True  # new data
+        if _IN_PLACE.match(name):  # zero_, copy_, __iadd__
+            return True
+    return False
 
 
 def _member_of(tree: Any) -> int | None:
@@ -213,6 +262,9 @@ class HostWork:
     ensemble_ops: int = 0
     host_syncs: dict[str, int] = field(default_factory=dict)
     forward_syncs: dict[str, int] = field(default_factory=dict)
+    device_seconds: float | None = None  # device work outside the forwards (the counted pass)
+    device_ops: int | None = None
+    host_ops: int | None = None
     texts: list[str] = field(default_factory=list)
 
     @property
@@ -223,6 +275,15 @@ class HostWork:
     def python_ms_per_token(self) -> float:
         """Host time less the KV-cache moves: what stays on the host on a GPU."""
         return 1e3 * (self.wall_seconds - self.forward_seconds - self.cache_move_seconds) / max(1, self.tokens)
+
+    @property
+    def host_less_device_ms_per_token(self) -> float | None:
+        """Host time less the device work outside the forwards (timed in the counted pass):
+        the Python, the host tensors and the reads a GPU's host still pays, per token."""
+        if self.device_seconds is None:
+            return None
+        host = self.wall_seconds - self.forward_seconds - self.device_seconds
+        return 1e3 * host / max(1, self.tokens)
 
     def summary(self) -> dict[str, Any]:
         tokens = max(1, self.tokens)
@@ -250,6 +311,20 @@ class HostWork:
                 for name, n in self.engine_calls.items()
             },
             "forward_syncs_per_token": round(sum(self.forward_syncs.values()) / tokens, 3),
+        } | self._device_summary()
+
+    def _device_summary(self) -> dict[str, float | None]:
+        """The counted pass's device work per token (None before it ran)."""
+        if self.device_seconds is None or self.device_ops is None or self.host_ops is None:
+            keys = ("device_ms_per_token", "host_ms_per_token_less_device_work")
+            return dict.fromkeys((*keys, "device_ops_per_token", "host_torch_ops_per_token"))
+        tokens = max(1, self.tokens)
+        host = self.host_less_device_ms_per_token
+        return {
+            "device_ms_per_token": round(1e3 * self.device_seconds / tokens, 3),
+            "host_ms_per_token_less_device_work": None if host is None else round(host, 3),
+            "device_ops_per_token": round(self.device_ops / tokens, 2),
+            "host_torch_ops_per_token": round(self.host_ops / tokens, 2),
         }
 
 
@@ -311,3 +386,8 @@ def count_reads(work: HostWork, decoder: SafeDecoder, jobs: list[GenerationJob])
     if [text for text, _ in counted] != work.texts:
         raise RuntimeError(f"{work.configuration}: the counted pass wrote other texts than the timed one")
     work.host_syncs, work.forward_syncs = dict(counter.host), dict(counter.in_forward)
+    work.device_seconds, work.device_ops, work.host_ops = (
+        counter.device_seconds,
+        counter.device_ops,
+        counter.host_ops,
+    )

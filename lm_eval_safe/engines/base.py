@@ -82,6 +82,35 @@ class TopLogprobs:
         return 0.0, min(self.ceiling, self.remaining)
 
 
+def argmax_first(
+    argmax: int, best: float, values: Sequence[float], ids: Sequence[float]
+) -> tuple[list[int], list[float]]:
+    """``topk``'s ids and values (best first; ids as numbers) as many as came, ``torch.argmax``'s
+    id first: the first of equal maxima, where ``topk`` may list another of them before it."""
+    head_ids, head_values = [argmax], [best]
+    for lp, token in zip(values, ids, strict=True):
+        if int(token) != argmax:
+            head_ids.append(int(token))
+            head_values.append(lp)
+    wanted = len(values)
+    return head_ids[:wanted], head_values[:wanted]  # the argmax was among them, or ties past it
+
+
+def widened(head: TopLogprobs, values: Sequence[float], ids: Sequence[float]) -> TopLogprobs:
+    """``head`` with its row's most probable ids (``topk``'s ``values`` and ``ids``), still
+    knowing every id it knew (a drafted or scored token's log-prob)."""
+    top_ids, top_values = argmax_first(head.argmax, head.max_logprob, values, ids)
+    known = dict(head.known)
+    known.update(zip(top_ids, top_values, strict=True))
+    return TopLogprobs(top_ids, top_values, known, head.handle, head.max_probability)
+
+
+def head_of(row: torch.Tensor, top: int, head: TopLogprobs) -> TopLogprobs:
+    """:func:`widened` from a full row on the host."""
+    best = torch.topk(row, min(top, row.numel()))
+    return widened(head, best.values.tolist(), best.indices.tolist())
+
+
 #: One answered position: the full log-softmax (transformers), or the head of it (vLLM).
 Row = torch.Tensor | TopLogprobs
 
@@ -155,10 +184,15 @@ class Drafted:
 @dataclass
 class Complete:
     """The full distributions (1-D log-softmax tensors) of rows this member's engine returned
-    as :class:`TopLogprobs`, in order."""
+    as :class:`TopLogprobs`, in order; with ``top``, wider heads instead: each row's ``top``
+    most probable ids (a :class:`TopLogprobs` knowing at least what the row knew). A greedy
+    decision that a short head cannot name the candidates of (UniTE's top-k strings from a
+    drafter head of one id) asks for this first: a few ids read back instead of a whole
+    vocabulary, and the aggregate computed on the host over a few strings instead of all."""
 
     member: int
     rows: list[TopLogprobs]
+    top: int = 0
 
 
 Call = Forward | Draft | Complete

@@ -15,6 +15,7 @@ and spliced into its row, so prompts of different lengths never pad each other.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 from lm_eval_safe.engines.base import Call, Complete, Draft, Drafted, EngineBatch, Forward, Row
 from lm_eval_safe.engines.hf import kv_cache
 from lm_eval_safe.engines.hf.forward import forward_logits, vocab_logits
-from lm_eval_safe.engines.hf.heads import Want, full_rows, read_heads
+from lm_eval_safe.engines.hf.heads import Want, full_rows, read_heads, wider_heads
 from lm_eval_safe.members import Member
 
 logger = logging.getLogger(__name__)
@@ -121,11 +122,19 @@ class MemberBatch(EngineBatch):
             results.update(self._draft(drafts))
         return results
 
-    def _complete(self, calls: dict[int, Complete]) -> dict[int, list[torch.Tensor]]:
-        heads = [head for call in calls.values() for head in call.rows]
-        rows = iter(full_rows(heads))
-        self.member.engine.counters.full_rows += len(heads)
-        return {row: [next(rows) for _ in call.rows] for row, call in calls.items()}
+    def _complete(self, calls: dict[int, Complete]) -> dict[int, list[Any]]:
+        """Full rows with one copy, and wider heads (``Complete.top``) with one more, per width."""
+        results: dict[int, list[Any]] = {}
+        for top in sorted({call.top for call in calls.values()}):
+            group = {row: call for row, call in calls.items() if call.top == top}
+            heads = [head for call in group.values() for head in call.rows]
+            if top:
+                answered: Iterator[Any] = iter(wider_heads(heads, top))
+            else:
+                answered = iter(full_rows(heads))
+                self.member.engine.counters.full_rows += len(heads)
+            results.update({row: [next(answered) for _ in call.rows] for row, call in group.items()})
+        return results
 
     def _draft(self, calls: dict[int, Draft]) -> dict[int, Drafted]:
         """Each row's draft as single-token forwards: the first feeds the call's ids, each later

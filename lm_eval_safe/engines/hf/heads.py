@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lm_eval_safe.engines.base import TopLogprobs
+from lm_eval_safe.engines.base import TopLogprobs, argmax_first, widened
 
 #: Where a row's largest logit is at least this, the log-softmax's argmax is the logits' own,
 #: so a caller that reads the drafted token only is answered without computing the log-softmax.
@@ -171,15 +171,24 @@ def _head(cells: list[float], want: Want, top: int, logprobs: torch.Tensor, inde
     ids, values = [argmax], [best]
     if top:
         wanted = min(want.top, top)
-        for lp, token in zip(cells[3 : 3 + wanted], cells[3 + top : 3 + top + wanted], strict=True):
-            if int(token) != argmax:
-                ids.append(int(token))
-                values.append(lp)
-        del ids[wanted:], values[wanted:]  # the argmax was among them, or ties past the K-th
+        ids, values = argmax_first(argmax, best, cells[3 : 3 + wanted], cells[3 + top : 3 + top + wanted])
     known = dict(zip(ids, values, strict=True))
     for token, lp in zip(want.named, cells[3 + 2 * top :], strict=False):
         known[token] = lp
     return TopLogprobs(ids, values, known, DeviceRow(logprobs, index), best_probability)
+
+
+def wider_heads(heads: Sequence[TopLogprobs], top: int) -> list[TopLogprobs]:
+    """Each head with its row's ``top`` most probable ids, cut on the device from the same
+    log-softmax rows and read back with one copy (the full rows stay where they are)."""
+    handles = [head.handle for head in heads]
+    if not all(isinstance(h, DeviceRow) for h in handles):
+        raise TypeError("Complete names a row the transformers engine did not answer")
+    stacked = torch.stack([h.rows[h.index] for h in handles])
+    k = min(top, stacked.shape[-1])
+    best = stacked.topk(k, dim=-1)
+    cells = torch.cat([best.values.double(), best.indices.double()], dim=1).tolist()
+    return [widened(head, row[:k], row[k:]) for head, row in zip(heads, cells, strict=True)]
 
 
 def full_rows(heads: Sequence[TopLogprobs]) -> list[torch.Tensor]:

@@ -23,6 +23,7 @@ from lm_eval_safe.engines.base import (
     EngineBatch,
     Forward,
     TopLogprobs,
+    head_of,
 )
 from lm_eval_safe.members import Member
 
@@ -168,7 +169,9 @@ class VLLMBatch(EngineBatch):
         engine.counters.full_rows += len(prompts)
         results: dict[int, list[Any]] = {row: [None] * len(call.rows) for row, call in calls.items()}
         for (row, i), output in zip(where, outputs, strict=True):
-            results[row][i] = engine.full_row(output.outputs[0].logprobs, 0)
+            full = engine.full_row(output.outputs[0].logprobs, 0)
+            top = calls[row].top  # a wider head (vLLM's heads are top_logprobs wide already)
+            results[row][i] = full if not top else head_of(full, top, calls[row].rows[i])
         return results
 
 
