@@ -19,7 +19,7 @@ from lm_eval_safe.aggregate import unite
 from lm_eval_safe.certified import certified_unite
 from lm_eval_safe.decoding import GenerationJob, SafeDecoder
 from lm_eval_safe.engines import load_member
-from lm_eval_safe.engines.base import TopLogprobs, row_max_probability
+from lm_eval_safe.engines.base import TopLogprobs, head_of, row_max_probability
 from lm_eval_safe.engines.hf.heads import EXACT_ARGMAX_LOGIT, Want, full_rows, largest, read_heads
 from lm_eval_safe.options import parse_options
 
@@ -207,6 +207,8 @@ def test_wider_heads_are_the_rows_top_ids_argmax_first() -> None:
         assert all(widened.known[t] == float(full[t]) for t in widened.known)
         assert widened.max_probability == head.max_probability
         assert torch.equal(full_rows([widened])[0], full)
+        on_host = head_of(full, 12, head)  # an engine widening from full rows (vLLM)
+        assert (on_host.ids, on_host.logprobs, on_host.known) == (widened.ids, widened.logprobs, widened.known)
     assert 299 in wide[1].known
 
 
