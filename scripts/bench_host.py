@@ -18,6 +18,9 @@ Why it measures what it does
   GPU runs asynchronously in microseconds and this CPU computes in line: *host less device
   work* is the timed pass's host time minus it, the Python, host tensors and reads a GPU's host
   would still pay; *device ops* are the kernel launches that host pays for too.
+* The host time is a small difference of two large ones and this VM's memory traffic varies
+  from run to run (KV moves by up to 2x): each row is timed ``--repeats`` times and the run
+  with the median host time is reported, every repeat's host time beside it.
 * Greedy decoding, stop string ``Question:`` (the few-shot format), ``--max-new-tokens`` each.
 
 Example (alone on the machine)::
@@ -42,7 +45,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from lm_eval_safe.bench.host_work import CONFIGURATIONS, count_reads, measure  # noqa: E402
+from lm_eval_safe.bench.host_work import CONFIGURATIONS, count_reads, measure, median_run  # noqa: E402
 from lm_eval_safe.bench.output import fmt, write_json_report  # noqa: E402
 from lm_eval_safe.bench.prompts import load_prompts  # noqa: E402
 from lm_eval_safe.decoding import GenerationJob, SafeDecoder  # noqa: E402
@@ -62,10 +65,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configurations", default=",".join(CONFIGURATIONS))
     p.add_argument("--data-dir", type=Path, default=REPO_ROOT.parent / "shared" / "data")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--repeats", type=int, default=3, help="timed passes per row (the median's is kept)")
     p.add_argument("--no-syncs", action="store_true", help="skip the sync-counting pass")
     p.add_argument("--profile", default=None, metavar="CONFIG:BATCH", help="cProfile one run after")
     p.add_argument("--json", type=Path, default=None, dest="json_out")
     return p.parse_args(argv)
+
+
+def host_cell(row: dict) -> str:
+    """The median repeat's host ms/token, and the range of all repeats."""
+    repeats = row["host_ms_per_token_repeats"]
+    if len(repeats) < 2:
+        return fmt(row["host_ms_per_token"])
+    return f"{fmt(row['host_ms_per_token'])} ({fmt(min(repeats))}-{fmt(max(repeats))})"
 
 
 def table(rows: list[dict]) -> str:
@@ -82,7 +94,7 @@ def table(rows: list[dict]) -> str:
         )
         lines.append(
             f"| {r['configuration']} | {r['batch_size']} | {r['tokens']} | {fmt(r['wall_s'])} | "
-            f"{fmt(r['forward_s'])} | {fmt(r['cache_move_s'])} | {fmt(r['host_ms_per_token'])} | "
+            f"{fmt(r['forward_s'])} | {fmt(r['cache_move_s'])} | {host_cell(r)} | "
             f"{fmt(r['host_ms_per_token_less_cache_moves'])} | {fmt(r['device_ms_per_token'])} | "
             f"{fmt(r['host_ms_per_token_less_device_work'])} | {fmt(r['device_ops_per_token'])} | "
             f"{fmt(r['host_syncs_per_token'])} | {per_call} | {fmt(r['forward_syncs_per_token'])} |"
@@ -114,14 +126,17 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
         for name in configurations:
-            work = measure(name, decoders[name], jobs, batch_size, count_syncs=False)
-            runs.append(work)
-            print(
-                f"{name} batch {batch_size}: {work.tokens} tokens, wall {work.wall_seconds:.2f}s, "
-                f"forwards {work.forward_seconds:.2f}s, host {work.host_ms_per_token:.2f} ms/token",
-                file=sys.stderr,
-                flush=True,
-            )
+            repeats = []
+            for _ in range(args.repeats):  # the rounds interleave nothing else: one row's runs
+                work = measure(name, decoders[name], jobs, batch_size, count_syncs=False)
+                repeats.append(work)
+                print(
+                    f"{name} batch {batch_size}: {work.tokens} tokens, wall {work.wall_seconds:.2f}s, "
+                    f"forwards {work.forward_seconds:.2f}s, host {work.host_ms_per_token:.2f} ms/token",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            runs.append(median_run(repeats))
     if not args.no_syncs:  # after every timed pass: the counter's work never precedes a timing
         for work in runs:
             count_reads(work, decoders[work.configuration], jobs)

@@ -256,3 +256,28 @@ def test_short_drafter_heads_widen_and_decide_as_the_full_rows(
         union = args[0] if aggregator == "gac" else None
         exact = gac(full_views, *args) if union is not None else unite(full_views, *args)
         assert (exact.key, exact.sharpened) == (choice.key, choice.sharpened)
+
+
+def test_bench_host_runs_end_to_end(tiny_bpe_dir: Path, tiny_sp_dir: Path, tmp_path: Path) -> None:
+    """scripts/bench_host.py on tiny members: every configuration at each batch size, the
+    median of the timed repeats, and the counted pass's device work (its kernels timed and
+    counted; the host time less it never above the host time)."""
+    import json
+
+    from helpers import load_script, write_gsm8k
+
+    rows = [{"question": f"What is {i} plus 3?", "answer": f"{i}+3={i + 3}\n#### {i + 3}"} for i in range(4)]
+    data = write_gsm8k(tmp_path, rows)
+    out = tmp_path / "host.json"
+    script = load_script("bench_host", "bench_host_e2e")
+    argv = ["--members", f"{tiny_bpe_dir},{tiny_sp_dir}", "--prompts", "2", "--shots", "1"]
+    argv += ["--max-new-tokens", "6", "--batch-sizes", "1,2", "--repeats", "2", "--data-dir", str(data)]
+    assert script.main([*argv, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    seen = {(r["configuration"], r["batch_size"]) for r in report["rows"]}
+    assert seen == {(c, b) for c in ("drafter", "unite_safe", "gac_safe") for b in (1, 2)}
+    for row in report["rows"]:
+        repeats = row["host_ms_per_token_repeats"]
+        assert len(repeats) == 2 and row["host_ms_per_token"] in repeats
+        assert row["tokens"] > 0 and row["device_ops_per_token"] > 0 and row["device_ms_per_token"] > 0
+        assert row["host_ms_per_token_less_device_work"] < row["host_ms_per_token"]

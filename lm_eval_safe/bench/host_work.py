@@ -266,6 +266,7 @@ class HostWork:
     device_ops: int | None = None
     host_ops: int | None = None
     texts: list[str] = field(default_factory=list)
+    host_ms_per_token_repeats: list[float] = field(default_factory=list)  # every timed repeat
 
     @property
     def host_ms_per_token(self) -> float:
@@ -311,6 +312,7 @@ class HostWork:
                 for name, n in self.engine_calls.items()
             },
             "forward_syncs_per_token": round(sum(self.forward_syncs.values()) / tokens, 3),
+            "host_ms_per_token_repeats": self.host_ms_per_token_repeats,
         } | self._device_summary()
 
     def _device_summary(self) -> dict[str, float | None]:
@@ -367,6 +369,17 @@ def measure(
     if count_syncs:
         count_reads(work, decoder, jobs)
     return work
+
+
+def median_run(repeats: Sequence[HostWork]) -> HostWork:
+    """The repeat with the median host time (the lower middle of an even count), noting every
+    repeat's host ms/token; the repeats must have written the same texts."""
+    if any(work.texts != repeats[0].texts for work in repeats):
+        raise RuntimeError(f"{repeats[0].configuration}: repeated runs wrote other texts")
+    ordered = sorted(repeats, key=lambda work: work.host_ms_per_token)
+    median = ordered[(len(ordered) - 1) // 2]
+    median.host_ms_per_token_repeats = [round(work.host_ms_per_token, 3) for work in repeats]
+    return median
 
 
 def count_reads(work: HostWork, decoder: SafeDecoder, jobs: list[GenerationJob]) -> None:
