@@ -281,3 +281,41 @@ def test_bench_host_runs_end_to_end(tiny_bpe_dir: Path, tiny_sp_dir: Path, tmp_p
         assert len(repeats) == 2 and row["host_ms_per_token"] in repeats
         assert row["tokens"] > 0 and row["device_ops_per_token"] > 0 and row["device_ms_per_token"] > 0
         assert row["host_ms_per_token_less_device_work"] < row["host_ms_per_token"]
+
+
+@pytest.mark.parametrize("schedule", ["drafter", "safe", "every", "threshold"])
+def test_drafts_kept_on_the_device_write_the_same_texts_with_one_read_per_call(
+    tiny_bpe_dir: Path, tiny_sp_dir: Path, schedule: str
+) -> None:
+    """Greedy windows drafted on the device (each step fed the token the step before left
+    there; the window read back at its end, as on a GPU) write the texts that reading every
+    token writes, with the same counts, at batch 1 and 3; the drafter then reads back once per
+    engine call (a window, or an ensemble point's widened head), not once per token. Requests
+    ending at EOS mid-window are among them: their tokens after it are dropped."""
+    from lm_eval_safe.bench.host_work import measure
+
+    members = [load_member(str(d), index=i) for i, d in enumerate((tiny_bpe_dir, tiny_sp_dir))]
+    names = [m.name for m in members]
+    prompts = ["the cat sat", "a dog ran over", "numbers like 7 and 8", "the", "over the hills and far"]
+    jobs = [GenerationJob(p, [], 14) for p in prompts]
+    stopped_early = 0
+    for aggregator in ("unite", "gac"):
+        options = {"members": names, "schedule": schedule, "aggregator": aggregator}
+        decoder = SafeDecoder(members, 0, parse_options(options))
+        for batch_size in (1, 3):
+            every_token = decoder.generate_many(jobs, batch_size)
+            members[0].engine.keep_drafts_on_device = True
+            try:
+                work = measure(schedule, decoder, jobs, batch_size)
+            finally:
+                members[0].engine.keep_drafts_on_device = None
+            assert work.texts == [text for text, _ in every_token], (aggregator, batch_size)
+            assert work.tokens == sum(s.generated_tokens for _, s in every_token)
+            assert work.cycles == sum(s.cycles for _, s in every_token)
+            assert work.ensemble_ops == sum(s.ensemble_ops for _, s in every_token)
+            # one read per window; an engine call that also serves another row's completion
+            # (an ensemble point) reads that apart
+            reads, calls = work.host_syncs[names[0]], work.engine_calls[names[0]]
+            assert reads == calls if schedule == "drafter" else reads <= calls + work.ensemble_ops
+            stopped_early += sum(s.generated_tokens % 5 != 4 and s.generated_tokens < 14 for _, s in every_token)
+    assert stopped_early > 0

@@ -40,6 +40,19 @@ class HFEngine(MemberEngine):
         self.small_rows = small_rows  # SmallRowLinears: faster linears over few rows on this CPU
         self.prefix_store = prefix_store  # PrefixStore: prompt prefixes shared across requests
 
+    #: Greedy drafts kept on the device for a whole window, read back once at its end
+    #: (``MemberBatch._draft_on_device``): on a GPU a read waits for every queued kernel, so
+    #: reading each drafted token would stall the host once a token. On a CPU a read is free,
+    #: and reading each token lets a row stop at its EOS without further forwards. None: by the
+    #: member's device (tests set True to run the device path on a CPU).
+    keep_drafts_on_device: bool | None = None
+
+    @property
+    def resident_drafts(self) -> bool:
+        if self.keep_drafts_on_device is not None:
+            return self.keep_drafts_on_device
+        return self.input_device.type != "cpu"
+
     @cached_property
     def input_device(self) -> Any:
         """The torch device of the input embedding layer: where input ids must go.

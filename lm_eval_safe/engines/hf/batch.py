@@ -24,7 +24,15 @@ import torch
 from lm_eval_safe.engines.base import Call, Complete, Draft, Drafted, EngineBatch, Forward, Row
 from lm_eval_safe.engines.hf import kv_cache
 from lm_eval_safe.engines.hf.forward import forward_logits, vocab_logits
-from lm_eval_safe.engines.hf.heads import Want, full_rows, read_heads, wider_heads
+from lm_eval_safe.engines.hf.heads import (
+    CutHeads,
+    Want,
+    cut_heads,
+    full_rows,
+    read_cuts,
+    read_heads,
+    wider_heads,
+)
 from lm_eval_safe.members import Member
 
 logger = logging.getLogger(__name__)
@@ -41,9 +49,12 @@ _SPARE_SLOTS = 64
 @dataclass
 class _DraftStep(Forward):
     """One token of ``draft``: read back as the argmax (greedy), with its head when the draft
-    reads rows, or as the full row its sampler draws from."""
+    reads rows, or as the full row its sampler draws from. ``fed``: the one id fed is the
+    previous step's token at this index of its tokens on the device (``ids`` holds a
+    placeholder: the token was never read back)."""
 
     draft: Draft | None = None
+    fed: int | None = None
 
 
 class MemberBatch(EngineBatch):
@@ -141,7 +152,13 @@ class MemberBatch(EngineBatch):
         one the token drafted before it; a row leaves the batch after its ``n``-th token or a
         stop id. Greedy rows take the argmax (their rows are heads of one id, the decoder asks
         for more where it needs them; none at all when the call reads tokens only), sampled
-        ones their sampler's draw from the full row."""
+        ones their sampler's draw from the full row.
+
+        Each step's tokens are read back before the next step (a stop id saves the forwards
+        after it), unless the engine keeps drafts on the device (:attr:`~.HFEngine.
+        resident_drafts`, a GPU): then greedy windows run as :meth:`_draft_on_device`."""
+        if self.member.engine.resident_drafts and all(c.sampler is None for c in calls.values()):
+            return self._draft_on_device(calls)
         drafted = {row: Drafted([], []) for row in calls}
         steps = {row: _DraftStep(c.member, c.keep, c.ids, [len(c.ids) - 1], c) for row, c in calls.items()}
         while steps:
@@ -161,6 +178,46 @@ class MemberBatch(EngineBatch):
             steps = following
         return drafted
 
+    def _draft_on_device(self, calls: dict[int, Draft]) -> dict[int, Drafted]:
+        """Greedy drafts with one read-back per window: each step feeds the argmax the step
+        before it left on the device (:attr:`~.heads.CutHeads.tokens`), so a GPU's host queues
+        the whole window without waiting for it, and the window's heads come back in one copy
+        at its end (:func:`~.heads.read_cuts`). A row drafts its ``n`` tokens whatever they
+        are; the tokens after its first stop id are dropped from the answer (the next call's
+        ``keep`` crops them from the cache; at batch size one they cost up to ``n - 1`` extra
+        forwards once a request, where reading every token cost a wait on every one)."""
+        steps = {row: _DraftStep(c.member, c.keep, c.ids, [len(c.ids) - 1], c) for row, c in calls.items()}
+        drawn = dict.fromkeys(calls, 0)
+        window: list[tuple[CutHeads, list[list[int]]]] = []
+        fed: torch.Tensor | None = None
+        while steps:
+            parts, owners = self._run(steps, fed)
+            cut = cut_heads(parts, exact_tokens=True)
+            window.append((cut, owners))
+            position = {row: i for i, row in enumerate(row for part in owners for row in part)}
+            following = {}
+            for row, step in steps.items():
+                drawn[row] += 1
+                if drawn[row] < calls[row].n:
+                    pad = [step.ids[-1]]  # a placeholder: the fed id is on the device
+                    following[row] = _DraftStep(
+                        step.member, step.keep + len(step.ids), pad, [0], calls[row], position[row]
+                    )
+            fed, steps = cut.tokens, following
+        drafted = {row: Drafted([], []) for row in calls}
+        for (_, owners), answers in zip(window, read_cuts([cut for cut, _ in window]), strict=True):
+            for rows, part_owners in zip(answers, owners, strict=True):
+                for answer, row in zip(rows, part_owners, strict=True):
+                    out = drafted[row]
+                    if out.tokens and out.tokens[-1] in calls[row].stop_ids:
+                        continue  # drafted past a stop id
+                    if isinstance(answer, int):  # tokens only
+                        out.tokens.append(answer)
+                    else:
+                        out.tokens.append(answer.argmax)
+                        out.rows.append(answer)
+        return drafted
+
     # -- forwards ------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, calls: dict[int, Forward]) -> dict[int, list[Any]]:
@@ -168,6 +225,20 @@ class MemberBatch(EngineBatch):
         in, the others share one batched forward. Returns each row's answered positions, read
         back from the device in one copy (:func:`~.heads.read_heads`): rows, or a draft step's
         token id when its call reads tokens only."""
+        parts, owners = self._run(calls)
+        results: dict[int, list[Row]] = {row: [] for row in calls}
+        for rows, part_owners in zip(read_heads(parts), owners, strict=True):
+            for answer, row in zip(rows, part_owners, strict=True):
+                results[row].append(answer)
+        return results
+
+    @torch.inference_mode()
+    def _run(
+        self, calls: dict[int, Forward], fed: torch.Tensor | None = None
+    ) -> tuple[list[tuple[torch.Tensor, list[Want]]], list[list[int]]]:
+        """The forwards of :meth:`forward`, nothing read back: each part's logits (on the
+        device) with what its positions are wanted as, and the row of each position. ``fed``:
+        the tokens a :class:`_DraftStep` with ``fed`` feeds from (on the device)."""
         parts: list[tuple[torch.Tensor, list[Want]]] = []
         owners: list[list[int]] = []  # per part: the row of each of its positions
         batched: dict[int, Forward] = {}
@@ -181,15 +252,11 @@ class MemberBatch(EngineBatch):
         if not self._trimmed:
             self._trim()
         if batched:
-            logits = self._forward(batched)
+            logits = self._forward(batched, fed)
             parts.append((logits, [w for call in batched.values() for w in self._wants(call)]))
             owners.append([row for row, call in batched.items() for _ in call.want])
         self._maybe_compact()
-        results: dict[int, list[Row]] = {row: [] for row in calls}
-        for rows, part_owners in zip(read_heads(parts), owners, strict=True):
-            for answer, row in zip(rows, part_owners, strict=True):
-                results[row].append(answer)
-        return results
+        return parts, owners
 
     def _wants(self, call: Forward) -> list[Want]:
         """What each answered position is read back as: a draft step's token (the argmax) or
@@ -267,9 +334,10 @@ class MemberBatch(EngineBatch):
         kv_cache.gather_slots(self.cache, gather)
         self.positions = new_positions
 
-    def _forward(self, calls: dict[int, Forward]) -> torch.Tensor:
+    def _forward(self, calls: dict[int, Forward], fed: torch.Tensor | None = None) -> torch.Tensor:
         """One batched forward of the calling rows; the logits at every wanted position, on the
-        member's device, in the calls' order."""
+        member's device, in the calls' order. Draft steps fed from the device take their id
+        from ``fed``."""
         member = self.member
         device = member.engine.input_device
         width = max(len(call.ids) for call in calls.values())
@@ -280,14 +348,22 @@ class MemberBatch(EngineBatch):
             n = len(call.ids)
             ids_table[row][:n] = call.ids
             positions_table[row][:n] = range(self.lengths[row], self.lengths[row] + n)
-        input_ids = torch.tensor(ids_table, dtype=torch.long)
+        input_ids = torch.tensor(ids_table, dtype=torch.long).to(device)
+        on_device = {row: c.fed for row, c in calls.items() if isinstance(c, _DraftStep) and c.fed is not None}
+        if on_device:
+            assert fed is not None
+            rows_fed = torch.tensor(list(on_device), dtype=torch.long, device=device)
+            sources = torch.tensor(list(on_device.values()), dtype=torch.long, device=fed.device)
+            tokens = fed[sources]  # on the output layer's device (the last of a device_map)
+            input_ids[rows_fed, 0] = tokens if tokens.device == input_ids.device else tokens.to(device)
         query_pos = torch.tensor(positions_table, dtype=torch.long)
         # a lone row holds positions 0 .. length - 1 once each, so it has holes iff it has
         # more slots than tokens
         plain = self.rows == 1 and self.slots == self.lengths[0]
         if plain:  # a lone, hole-free row: exactly the unbatched forward
             ((row, call),) = calls.items()
-            rows = forward_logits(member, call.ids, self.cache, list(call.want))
+            ids = input_ids if on_device else call.ids
+            rows = forward_logits(member, ids, self.cache, list(call.want))
             self.positions = torch.cat([self.positions, query_pos], dim=1)
             self.lengths[row] += len(call.ids)
             return rows
@@ -302,7 +378,7 @@ class MemberBatch(EngineBatch):
         out = kv_cache.run(
             kv_cache.decoder(member.engine.model),
             cache,
-            input_ids=input_ids[pick].to(device),
+            input_ids=input_ids[pick],
             attention_mask=kv_cache.attention_mask(
                 member.engine.model, key_pos[pick], query_pos[pick], device
             ),

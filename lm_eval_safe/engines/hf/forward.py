@@ -33,20 +33,26 @@ def forward_logprobs(
 
 
 @torch.inference_mode()
-def forward_logits(member: Member, ids: list[int], cache: Any, keep: int | list[int]) -> torch.Tensor:
-    """Feed ``ids`` (one sequence) through ``cache``; the logits over the tokenizer's ids
-    (:func:`vocab_logits`) at the last ``keep`` positions (an int) or at the listed positions of
-    ``ids``, on the member's device.
+def forward_logits(
+    member: Member, ids: list[int] | torch.Tensor, cache: Any, keep: int | list[int]
+) -> torch.Tensor:
+    """Feed ``ids`` (one sequence; or a ``[1, n]`` tensor of them on the member's device, a
+    token drafted there and never read back) through ``cache``; the logits over the
+    tokenizer's ids (:func:`vocab_logits`) at the last ``keep`` positions (an int) or at the
+    listed positions of ``ids``, on the member's device.
 
     Only the needed rows go through the output layer: for a 262k vocabulary it costs more than
     the rest of a small model.
     """
-    input_ids = torch.tensor([ids], dtype=torch.long, device=member.engine.input_device)
+    if isinstance(ids, torch.Tensor):
+        input_ids = ids
+    else:
+        input_ids = torch.tensor([ids], dtype=torch.long, device=member.engine.input_device)
     if isinstance(keep, int):
         to_keep: int | torch.Tensor = keep
     else:
         # on cpu: with device_map=auto the hidden states it indexes sit on the last device
-        to_keep = torch.tensor(keep if keep else [len(ids) - 1], dtype=torch.long)
+        to_keep = torch.tensor(keep if keep else [input_ids.shape[1] - 1], dtype=torch.long)
     out = kv_cache.run(member.engine.model, cache, input_ids=input_ids, logits_to_keep=to_keep)
     logits = out.logits[0]
     if isinstance(keep, int):

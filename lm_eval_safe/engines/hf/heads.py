@@ -82,34 +82,50 @@ class DeviceRow:
     index: int
 
 
-def read_heads(
-    parts: Sequence[tuple[torch.Tensor, Sequence[Want]]],
-) -> list[list[TopLogprobs | torch.Tensor | int]]:
-    """Each part's rows (``[positions, vocab]`` logits over the tokenizer's ids, on the
-    device, one :class:`Want` per position) as the rows its callers asked for: a
-    :class:`TopLogprobs`, the full log-softmax row on the host (``full``), or the argmax id
-    (``top=0``). One device-to-host copy brings back every head (one more for full rows, and
-    for token-only rows whose largest logit is below :data:`EXACT_ARGMAX_LOGIT`, when any)."""
-    packs: list[torch.Tensor] = []
-    shapes: list[tuple[int, int, int]] = []
-    fulls: list[torch.Tensor] = []
-    sources: list[torch.Tensor | None] = []  # per part: its log-softmax (None: tokens only)
+@dataclass
+class CutHeads:
+    """One batch step's heads cut on the device and not read back yet (:func:`cut_heads`):
+    a window of steps is read back together (:func:`read_cuts`), one copy for all of them."""
+
+    parts: Sequence[tuple[torch.Tensor, Sequence[Want]]]
+    packs: list[torch.Tensor]  # per part with positions: its heads, flattened (device)
+    shapes: list[tuple[int, int, int]]  # per part: positions, top ids (-1/-2: tokens only), named
+    sources: list[torch.Tensor | None]  # per part: its log-softmax (None: tokens only)
+    fulls: list[torch.Tensor]  # the full rows asked for (device)
+    #: with ``exact_tokens``: every position's argmax id in order, on the device (the next
+    #: draft step's input, fed without reading it back)
+    tokens: torch.Tensor | None = None
+
+
+def cut_heads(parts: Sequence[tuple[torch.Tensor, Sequence[Want]]], exact_tokens: bool = False) -> CutHeads:
+    """The device work of :func:`read_heads`, no read. ``exact_tokens``: token-only positions
+    take the log-softmax's argmax at once (no second read for rows whose largest logit is below
+    :data:`EXACT_ARGMAX_LOGIT`), and :attr:`CutHeads.tokens` holds every position's argmax."""
+    cut = CutHeads(parts, [], [], [], [])
+    tokens: list[torch.Tensor] = []
     for logits, wants in parts:
         if not wants:
-            shapes.append((0, 0, 0))
-            sources.append(None)
+            cut.shapes.append((0, 0, 0))
+            cut.sources.append(None)
             continue
         if all(w.top == 0 for w in wants):
-            values, indices = largest(logits)
-            packs.append(torch.stack([values.double(), indices.double()], dim=1).flatten())
-            shapes.append((len(wants), -1, 0))
-            sources.append(None)
+            if exact_tokens:
+                indices = largest(torch.log_softmax(logits, dim=-1))[1]
+                cut.packs.append(indices.double())
+                cut.shapes.append((len(wants), -2, 0))
+                tokens.append(indices)
+            else:
+                values, indices = largest(logits)
+                cut.packs.append(torch.stack([values.double(), indices.double()], dim=1).flatten())
+                cut.shapes.append((len(wants), -1, 0))
+            cut.sources.append(None)
             continue
         logprobs = torch.log_softmax(logits, dim=-1)
-        sources.append(logprobs)
+        cut.sources.append(logprobs)
         top = min(max(w.top for w in wants), logprobs.shape[-1])
         named = max(len(w.named) for w in wants)
         values, indices = largest(logprobs)
+        tokens.append(indices)
         columns = [
             values[:, None].double(),
             indices[:, None].double(),
@@ -125,32 +141,62 @@ def read_heads(
                 device=logprobs.device,
             )
             columns.append(logprobs.gather(1, index).double())
-        packs.append(torch.cat(columns, dim=1).flatten())
-        shapes.append((len(wants), top if top > 1 else 0, named))
+        cut.packs.append(torch.cat(columns, dim=1).flatten())
+        cut.shapes.append((len(wants), top if top > 1 else 0, named))
         full = [i for i, w in enumerate(wants) if w.full]
         if full:
-            fulls.append(logprobs[full])
+            cut.fulls.append(logprobs[full])
+    if exact_tokens:
+        cut.tokens = torch.cat(tokens) if tokens else None
+    return cut
+
+
+def read_heads(
+    parts: Sequence[tuple[torch.Tensor, Sequence[Want]]],
+) -> list[list[TopLogprobs | torch.Tensor | int]]:
+    """Each part's rows (``[positions, vocab]`` logits over the tokenizer's ids, on the
+    device, one :class:`Want` per position) as the rows its callers asked for: a
+    :class:`TopLogprobs`, the full log-softmax row on the host (``full``), or the argmax id
+    (``top=0``). One device-to-host copy brings back every head (one more for full rows, and
+    for token-only rows whose largest logit is below :data:`EXACT_ARGMAX_LOGIT`, when any)."""
+    return read_cuts([cut_heads(parts)])[0]
+
+
+def read_cuts(cuts: Sequence[CutHeads]) -> list[list[list[TopLogprobs | torch.Tensor | int]]]:
+    """Each cut's answers (as :func:`read_heads` gives them), read back with one copy for all
+    the heads of every cut (and one for their full rows, when any)."""
+    packs = [pack for cut in cuts for pack in cut.packs]
+    fulls = [full for cut in cuts for full in cut.fulls]
     values = torch.cat(packs).tolist() if packs else []
     host_rows = list(torch.cat(fulls).cpu().unbind(0)) if fulls else []
-    answers: list[list[TopLogprobs | torch.Tensor | int]] = []
+    answers: list[list[list[TopLogprobs | torch.Tensor | int]]] = []
     start = 0
-    for (logits, wants), (positions, top, named), logprobs in zip(parts, shapes, sources, strict=True):
-        if top < 0:  # tokens only
-            cells = values[start : start + 2 * positions]
-            answers.append(_tokens(logits, cells))
-            start += 2 * positions
-            continue
-        width = 3 + 2 * top + named
-        rows: list[TopLogprobs | torch.Tensor | int] = []
-        for i, want in enumerate(wants):
-            if want.full:
-                rows.append(host_rows.pop(0))
+    for cut in cuts:
+        cut_answers: list[list[TopLogprobs | torch.Tensor | int]] = []
+        for (logits, wants), (positions, top, named), logprobs in zip(
+            cut.parts, cut.shapes, cut.sources, strict=True
+        ):
+            if top == -2:  # exact tokens
+                cut_answers.append([int(v) for v in values[start : start + positions]])
+                start += positions
                 continue
-            cells = values[start + i * width : start + (i + 1) * width]
-            assert logprobs is not None
-            rows.append(_head(cells, want, top, logprobs, i))
-        answers.append(rows)
-        start += positions * width
+            if top == -1:  # tokens only
+                cells = values[start : start + 2 * positions]
+                cut_answers.append(_tokens(logits, cells))
+                start += 2 * positions
+                continue
+            width = 3 + 2 * top + named
+            rows: list[TopLogprobs | torch.Tensor | int] = []
+            for i, want in enumerate(wants):
+                if want.full:
+                    rows.append(host_rows.pop(0))
+                    continue
+                cells = values[start + i * width : start + (i + 1) * width]
+                assert logprobs is not None
+                rows.append(_head(cells, want, top, logprobs, i))
+            cut_answers.append(rows)
+            start += positions * width
+        answers.append(cut_answers)
     return answers
 
 
