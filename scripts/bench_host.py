@@ -21,6 +21,9 @@ Why it measures what it does
 * The host time is a small difference of two large ones and this VM's memory traffic varies
   from run to run (KV moves by up to 2x): each row is timed ``--repeats`` times and the run
   with the median host time is reported, every repeat's host time beside it.
+* Drafts as a GPU runs them (``--drafts on-device``): a greedy window's tokens stay on the
+  device and come back in one read at its end, which is what the read counts are for; a CPU
+  reads each token instead (free there), ``--drafts read-each``.
 * Greedy decoding, stop string ``Question:`` (the few-shot format), ``--max-new-tokens`` each.
 
 Example (alone on the machine)::
@@ -66,6 +69,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-dir", type=Path, default=REPO_ROOT.parent / "shared" / "data")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--repeats", type=int, default=3, help="timed passes per row (the median's is kept)")
+    p.add_argument(
+        "--drafts",
+        choices=("on-device", "read-each"),
+        default="on-device",
+        help="greedy draft windows kept on the device, read back once (a GPU's way, the default), "
+        "or every drafted token read back (a CPU's way: engine=hf on a CPU does this)",
+    )
     p.add_argument("--no-syncs", action="store_true", help="skip the sync-counting pass")
     p.add_argument("--profile", default=None, metavar="CONFIG:BATCH", help="cProfile one run after")
     p.add_argument("--json", type=Path, default=None, dest="json_out")
@@ -108,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     specs = [s.strip() for s in args.members.split(",") if s.strip()]
     members = [load_member(spec, index=i) for i, spec in enumerate(specs)]
+    for member in members:
+        member.engine.keep_drafts_on_device = args.drafts == "on-device"
     prompts = load_prompts(args.data_dir, "gsm8k", args.prompts, args.shots)
     jobs = [GenerationJob(p, ["Question:"], args.max_new_tokens) for p in prompts]
     configurations = [c.strip() for c in args.configurations.split(",") if c.strip()]
@@ -150,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 "prompts": args.prompts,
                 "shots": args.shots,
                 "max_new_tokens": args.max_new_tokens,
+                "drafts": args.drafts,
                 "torch_threads": torch.get_num_threads(),
                 "torch": torch.__version__,
                 "python": platform.python_version(),

@@ -138,7 +138,7 @@ def test_row_operations_equal_tensor_indexing() -> None:
         assert torch.equal(ck, k[:, :, :2])
 
 
-def test_left_padded_stack_and_appended_rows() -> None:
+def test_left_padded_stack() -> None:
     short, long = kv_cache.new_cache(_states(1, 2, seed=1)), kv_cache.new_cache(_states(1, 4, seed=2))
     stacked = kv_cache.layer_states(kv_cache.stack_left_padded([short, long], 4))
     for (k, _), (sk, _), (lk, _) in zip(
@@ -146,15 +146,39 @@ def test_left_padded_stack_and_appended_rows() -> None:
     ):
         assert torch.equal(k[0, :, 2:], sk[0]) and not k[0, :, :2].any()
         assert torch.equal(k[1], lk[0])
-    batch = kv_cache.new_cache(_states(3, 2, seed=3))
-    before = kv_cache.layer_states(batch)
-    before = [(k.clone(), v.clone()) for k, v in before]  # type: ignore[misc]
-    sub = kv_cache.new_cache(_states(2, 3, seed=4))  # rows 0 and 2, two new slots at the end
-    kv_cache.append_rows(batch, sub, [0, 2], 2)
-    for (k, _), (bk, _), (sk, _) in zip(kv_cache.layer_states(batch), before, kv_cache.layer_states(sub), strict=True):
-        assert k.shape[2] == 4 and torch.equal(k[:, :, :2], bk)
-        assert torch.equal(k[0, :, 2:], sk[0, :, 1:]) and torch.equal(k[2, :, 2:], sk[1, :, 1:])
-        assert not k[1, :, 2:].any()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_a_rows_view_forward_equals_the_rows_copied_out_and_back(
+    tiny_bpe_dir: Path, tiny_gemma_dir: Path, family: str
+) -> None:
+    """A forward of some rows of a batch through rows_view (their slots gathered per layer, the
+    new ones written into the batch's buffers) gives, bit for bit, the logits of the same
+    forward on copies of those rows; afterwards the batch holds the new slots in those rows and
+    zeros (holes) in the others, and every row's old slots as they were."""
+    member = load_member(str(tiny_bpe_dir if family == "llama" else tiny_gemma_dir))
+    model = member.engine.model
+    rng = random.Random(11)
+    rows, prompt, width = 4, 6, 3
+    batch = kv_cache.new_cache()
+    with torch.inference_mode():
+        ids = torch.tensor([[rng.randrange(len(member.vocab)) for _ in range(prompt)] for _ in range(rows)])
+        kv_cache.run(model, batch, input_ids=ids)
+        kv_cache.with_slots(batch, spare=2)  # the new slots outgrow the spare ones
+        before = [(k.clone(), v.clone()) for k, v in kv_cache.layer_states(batch)]  # type: ignore[misc]
+        chosen = [1, 3]
+        copied = kv_cache.select_rows(batch, chosen)
+        new_ids = torch.tensor([[rng.randrange(len(member.vocab)) for _ in range(width)] for _ in chosen])
+        want = kv_cache.run(model, copied, input_ids=new_ids).logits
+        got = kv_cache.run(model, kv_cache.rows_view(batch, chosen), input_ids=new_ids).logits
+    assert torch.equal(want, got)
+    for (k, v), (bk, bv), (ck, cv) in zip(
+        kv_cache.layer_states(batch), before, kv_cache.layer_states(copied), strict=True
+    ):
+        assert k.shape[2] == prompt + width
+        assert torch.equal(k[:, :, :prompt], bk) and torch.equal(v[:, :, :prompt], bv)
+        assert torch.equal(k[chosen], ck) and torch.equal(v[chosen], cv)
+        assert not k[[0, 2], :, prompt:].any() and not v[[0, 2], :, prompt:].any()
 
 
 def test_layers_holding_nothing_survive_every_operation() -> None:

@@ -104,7 +104,7 @@ class ForwardClock:
 
 
 #: The KV-cache operations the transformers batch runs between forwards: rows added, dropped,
-#: spliced in, cropped, compacted, copied for a subset forward. Device work (on a GPU they run
+#: spliced in, cropped, compacted, selected for scoring. Device work (on a GPU they run
 #: asynchronously, with no host wait); timed apart so the Python share of the host time shows.
 CACHE_MOVES = (
     "with_slots",
@@ -113,7 +113,6 @@ CACHE_MOVES = (
     "widen_left",
     "gather_slots",
     "select_rows",
-    "append_rows",
     "write_row",
     "crop",
     "concat_slots",

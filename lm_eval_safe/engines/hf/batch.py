@@ -369,11 +369,11 @@ class MemberBatch(EngineBatch):
             return rows
         key_pos = torch.cat([self.positions, query_pos], dim=1)
         # rows without a call would each cost `width` padded positions of compute: when they are
-        # the majority, run only the calling rows on a copy of their cache slice
+        # the majority, run only the calling rows (their slots gathered, new ones written back)
         rows = sorted(calls)
         subset = 2 * len(rows) <= self.rows
         local = {row: i for i, row in enumerate(rows)} if subset else {r: r for r in calls}
-        cache = kv_cache.select_rows(self.cache, rows, spare=width) if subset else self.cache
+        cache = kv_cache.rows_view(self.cache, rows) if subset else self.cache
         pick = torch.tensor(rows) if subset else slice(None)
         out = kv_cache.run(
             kv_cache.decoder(member.engine.model),
@@ -384,8 +384,6 @@ class MemberBatch(EngineBatch):
             ),
             position_ids=query_pos[pick].clamp_min(0).to(device),
         )
-        if subset:
-            kv_cache.append_rows(self.cache, cache, rows, width)
         hidden = out.last_hidden_state
         picks = [(local[row], i) for row, call in calls.items() for i in call.want]
         for row, call in calls.items():

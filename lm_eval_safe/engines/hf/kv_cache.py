@@ -202,6 +202,43 @@ class SlotLayer(DynamicLayer):
         return self.keys, self.values  # type: ignore[return-value]
 
 
+class RowsLayer(DynamicLayer):
+    """Some rows of a batch's :class:`SlotLayer`, for one forward of those rows alone (a
+    verifier scoring the windows of a few requests of a batch). A forward's new slots are
+    written into the batch's buffers in place, holes (zeros) for the other rows as a forward of
+    every row leaves them, and attention reads a gather of the rows' slots, made once per layer
+    and forward: the rows' states are read once, where copying them out (into buffers with
+    spare slots) and the new slots back read and wrote them twice, and allocated the copies
+    anew at every call. Transformers reads a layer's length through ``get_seq_length`` (4.57
+    and 5.x), answered here without a gather."""
+
+    def __init__(self, batch_layer: SlotLayer, rows: torch.Tensor) -> None:
+        self._batch_layer = batch_layer
+        self._rows = rows
+        super().__init__()
+        self.device = batch_layer.device
+        self.is_initialized = True
+
+    def _gather(self, which: int) -> torch.Tensor:
+        buffers, rows, held = self._batch_layer._held()
+        return buffers[which][:rows, :, :held].index_select(0, self._rows)
+
+    # transformers' constructor assigns None; the states themselves live in the batch layer
+    keys = property(lambda self: self._gather(0), lambda self, _: None)
+    values = property(lambda self: self._gather(1), lambda self, _: None)
+
+    def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
+        return self._batch_layer._held()[2]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        for slots, new in zip(self._batch_layer.reserve(key_states.shape[2]), (key_states, value_states), strict=True):
+            slots.zero_()
+            slots.index_copy_(0, self._rows, new)
+        return self._gather(0), self._gather(1)
+
+
 def _with_spare(tensor: torch.Tensor, spare: int) -> torch.Tensor:
     out = tensor.new_empty((*tensor.shape[:2], tensor.shape[2] + spare, tensor.shape[3]))
     out[:, :, : tensor.shape[2]] = tensor
@@ -226,7 +263,7 @@ def new_cache(states: Sequence[LayerStates] | None = None) -> Any:
 def _layers(cache: Any) -> list[Any]:
     layers = cache.layers
     for layer in layers:
-        if type(layer) not in (DynamicLayer, SlotLayer):
+        if type(layer) not in (DynamicLayer, SlotLayer, RowsLayer):
             raise UnsupportedModelError(
                 f"a cache layer of type {type(layer).__name__}: lm-eval-safe manages "
                 "DynamicLayer states only; report the model and the transformers version"
@@ -306,22 +343,30 @@ def gather_slots(cache: Any, index: torch.Tensor) -> None:
         layer.gather_slots(index)
 
 
-def select_rows(cache: Any, rows: torch.Tensor | list[int], spare: int = 0) -> Any:
+def select_rows(cache: Any, rows: torch.Tensor | list[int]) -> Any:
     """A new cache holding copies of the given rows (repeats allowed: one row per choice of a
     multiple-choice context). Each layer is indexed on its own device (``device_map`` spreads
-    layers over several GPUs). ``spare``: the copies are SlotLayers with that many
-    slots to grow into (a forward on them writes in place)."""
+    layers over several GPUs)."""
     index = torch.as_tensor(rows, dtype=torch.long)
 
     def pick(t: torch.Tensor) -> torch.Tensor:
         return t.index_select(0, index.to(t.device))
 
-    picked = [None if s is None else (pick(s[0]), pick(s[1])) for s in layer_states(cache)]
-    if not spare:
-        return new_cache(picked)
+    return new_cache([None if s is None else (pick(s[0]), pick(s[1])) for s in layer_states(cache)])
+
+
+def rows_view(cache: Any, rows: list[int]) -> Any:
+    """A cache of some rows (ascending) of a batch's :func:`with_slots` cache, for one forward
+    of those rows alone: its new slots go into the batch's buffers (:class:`RowsLayer`)."""
+    index = torch.tensor(rows, dtype=torch.long)
     out = DynamicCache()
-    for states in picked:
-        out.layers.append(DynamicLayer() if states is None else SlotLayer.holding(*states, spare))
+    for layer in _layers(cache):
+        if not layer.is_initialized:
+            out.layers.append(DynamicLayer())
+        elif type(layer) is SlotLayer:
+            out.layers.append(RowsLayer(layer, index.to(layer.device)))
+        else:
+            raise TypeError("rows_view reads a with_slots() cache only")
     return out
 
 
@@ -344,31 +389,6 @@ def write_row(cache: Any, row: int, start: int, source: Any) -> None:
             width = theirs[0].shape[2]
             mine[0][row, :, start : start + width] = theirs[0][0]
             mine[1][row, :, start : start + width] = theirs[1][0]
-
-
-def append_rows(cache: Any, source: Any, rows: list[int], width: int) -> None:
-    """Append ``width`` slots to every row of ``cache``: the last ``width`` slots of
-    ``source`` (a cache of just ``rows``, in order) for those rows, zeros for the others
-    (holes, which the masks exclude)."""
-
-    def grown(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        part = old.new_zeros((old.shape[0], old.shape[1], width, old.shape[3]))
-        part[torch.tensor(rows, device=old.device)] = new[:, :, -width:]
-        return torch.cat([old, part], dim=2)
-
-    def fill(part: torch.Tensor, new: torch.Tensor) -> None:
-        part.zero_()
-        part[torch.tensor(rows, device=part.device)] = new[:, :, -width:]
-
-    for layer, theirs in zip(_layers(cache), layer_states(source), strict=True):
-        if layer.is_initialized and theirs is not None:
-            if type(layer) is SlotLayer:
-                keys, values = layer.reserve(width)
-                fill(keys, theirs[0])
-                fill(values, theirs[1])
-            else:
-                layer.keys = grown(layer.keys, theirs[0])
-                layer.values = grown(layer.values, theirs[1])
 
 
 def stack_left_padded(caches: Sequence[Any], width: int) -> Any:
