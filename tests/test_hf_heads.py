@@ -181,6 +181,9 @@ def test_the_counter_sees_reads_of_weights_only(tiny_bpe_dir: Path) -> None:
             rows[0] = 1.0  # one write
             _ = rows.shape, rows.numel(), rows.float(), rows.unflatten(-1, (2, -1))  # metadata, views
         assert counter.device_ops == 3
+        with torch.no_grad(), SyncCounter([m], clock) as counter:
+            m.engine.model(input_ids=torch.tensor([[1, 2, 3]]))  # its rotary table goes .to(x.device)
+        assert counter.in_forward[m.name] == 0 and counter.host[m.name] == 0
     finally:
         clock.close()
 

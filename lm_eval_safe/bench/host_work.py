@@ -177,7 +177,10 @@ class SyncCounter(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         member = _member_of((args, kwargs))
-        read = member is not None and (func in _READS or (func is torch.Tensor.to and _to_cpu(args, kwargs)))
+        # inside a forward, ``.to`` moves between the model's own devices (transformers' rotary
+        # tables go ``.to(x.device)``, a GPU on a GPU): only this project's code names the host
+        moves_to_host = func is torch.Tensor.to and not self.clock.depth and _to_cpu(args, kwargs)
+        read = member is not None and (func in _READS or moves_to_host)
         if read:
             (self.in_forward if self.clock.depth else self.host)[self.names[member]] += 1
         # the mode is off inside func: a torch call made by this one is not seen again
