@@ -13,11 +13,12 @@ Why it measures what it does
   prompts (bare prompts make instruct members stop at once), at each batch size, back to back
   in one process after an untimed warm-up. The sync-counting pass repeats each run (the counter
   slows torch calls) and must write the same texts.
-* The counted pass also times the *device work* outside the forwards (every torch call on a
-  tensor computed from the weights: the heads' log-softmax and top-k, KV-cache moves), which a
-  GPU runs asynchronously in microseconds and this CPU computes in line: *host less device
-  work* is the timed pass's host time minus it, the Python, host tensors and reads a GPU's host
-  would still pay; *device ops* are the kernel launches that host pays for too.
+* The device work between the forwards, which a GPU runs asynchronously in microseconds and
+  this CPU computes in line, is timed in the same pass: the KV-cache moves and the heads (the
+  log-softmax, argmax and top-k cut from each forward's logits over a whole vocabulary, the
+  wider heads and full rows asked for later). *Less KV moves and heads* is the host time a
+  GPU's host would still pay: Python, host tensors, reads. The counted pass counts the kernels
+  launched between the forwards (*device ops*), which that host pays a launch each for too.
 * The host time is a small difference of two large ones and this VM's memory traffic varies
   from run to run (KV moves by up to 2x): each row is timed ``--repeats`` times and the run
   with the median host time is reported, every repeat's host time beside it.
@@ -71,10 +72,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed passes per row (the median's is kept)")
     p.add_argument(
         "--drafts",
-        choices=("on-device", "read-each"),
-        default="on-device",
-        help="greedy draft windows kept on the device, read back once (a GPU's way, the default), "
-        "or every drafted token read back (a CPU's way: engine=hf on a CPU does this)",
+        choices=("auto", "on-device", "read-each"),
+        default="auto",
+        help="greedy draft windows kept on the device and read back once (a GPU's way), or every "
+        "drafted token read back (a CPU's way); auto: the members' device decides",
     )
     p.add_argument("--no-syncs", action="store_true", help="skip the sync-counting pass")
     p.add_argument("--profile", default=None, metavar="CONFIG:BATCH", help="cProfile one run after")
@@ -92,8 +93,8 @@ def host_cell(row: dict) -> str:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| configuration | batch | tokens | wall s | forwards s | KV moves s | host ms/token | less KV moves "
-        "| device work ms/token | **less device work** | device ops/token | host syncs/token "
+        "| configuration | batch | tokens | wall s | forwards s | KV moves s | heads s | host ms/token "
+        "| less KV moves | **less KV moves and heads** | device ops/token | host syncs/token "
         "| host syncs per forward (per engine call) | syncs/token in forwards |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
@@ -104,10 +105,10 @@ def table(rows: list[dict]) -> str:
         )
         lines.append(
             f"| {r['configuration']} | {r['batch_size']} | {r['tokens']} | {fmt(r['wall_s'])} | "
-            f"{fmt(r['forward_s'])} | {fmt(r['cache_move_s'])} | {host_cell(r)} | "
-            f"{fmt(r['host_ms_per_token_less_cache_moves'])} | {fmt(r['device_ms_per_token'])} | "
-            f"{fmt(r['host_ms_per_token_less_device_work'])} | {fmt(r['device_ops_per_token'])} | "
-            f"{fmt(r['host_syncs_per_token'])} | {per_call} | {fmt(r['forward_syncs_per_token'])} |"
+            f"{fmt(r['forward_s'])} | {fmt(r['cache_move_s'])} | {fmt(r['heads_s'])} | {host_cell(r)} | "
+            f"{fmt(r['host_ms_per_token_less_cache_moves'])} | {fmt(r['host_ms_per_token_less_device_work'])} | "
+            f"{fmt(r['device_ops_per_token'])} | {fmt(r['host_syncs_per_token'])} | {per_call} | "
+            f"{fmt(r['forward_syncs_per_token'])} |"
         )
     return "\n".join(lines)
 
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     specs = [s.strip() for s in args.members.split(",") if s.strip()]
     members = [load_member(spec, index=i) for i, spec in enumerate(specs)]
     for member in members:
-        member.engine.keep_drafts_on_device = args.drafts == "on-device"
+        member.engine.keep_drafts_on_device = {"auto": None, "on-device": True, "read-each": False}[args.drafts]
     prompts = load_prompts(args.data_dir, "gsm8k", args.prompts, args.shots)
     jobs = [GenerationJob(p, ["Question:"], args.max_new_tokens) for p in prompts]
     configurations = [c.strip() for c in args.configurations.split(",") if c.strip()]

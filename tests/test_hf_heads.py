@@ -173,7 +173,7 @@ def test_the_counter_sees_reads_of_weights_only(tiny_bpe_dir: Path) -> None:
         assert counter.host[m.name] == 3
         # device work: the sum and the product (not the row, a view; not the reads; not the
         # host tensors: arange, its sum, int(), .item() of the copy)
-        assert counter.device_ops == 2 and counter.device_seconds > 0
+        assert counter.device_ops == 2
         assert counter.host_ops == 5
         with torch.no_grad(), SyncCounter([m], clock) as counter:
             rows = weight[:3].clone()  # one kernel (the slice is a view)
@@ -263,8 +263,9 @@ def test_short_drafter_heads_widen_and_decide_as_the_full_rows(
 
 def test_bench_host_runs_end_to_end(tiny_bpe_dir: Path, tiny_sp_dir: Path, tmp_path: Path) -> None:
     """scripts/bench_host.py on tiny members: every configuration at each batch size, the
-    median of the timed repeats, and the counted pass's device work (its kernels timed and
-    counted; the host time less it never above the host time)."""
+    median of the timed repeats, the device work between the forwards (KV moves and heads,
+    timed in the same pass: the host time less it is below the host time) and the kernels the
+    counted pass saw launched."""
     import json
 
     from helpers import load_script, write_gsm8k

@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from lm_eval_safe.decoding import GenerationJob, SafeDecoder
-from lm_eval_safe.engines.hf import kv_cache
+from lm_eval_safe.engines.hf import heads, kv_cache
 from lm_eval_safe.members import Member
 
 #: configuration -> SafeDecoder options (the issue's three)
@@ -68,7 +68,10 @@ class _Depth(threading.local):
 
 
 class ForwardClock:
-    """Seconds spent inside the members' forwards (outermost module call counted once)."""
+    """Seconds spent inside the members' forwards (outermost module call counted once): the
+    model, its decoder body, its output layer, and the batch's output logits
+    (``kv_cache.output_logits``: the output layer and Gemma's soft-capping after it, which
+    the whole model's forward computes inside itself)."""
 
     def __init__(self, members: Sequence[Member]):
         self.seconds = 0.0
@@ -81,6 +84,17 @@ class ForwardClock:
             for module in {model, kv_cache.decoder(model), model.get_output_embeddings()}:
                 self._handles.append(module.register_forward_pre_hook(self._enter))
                 self._handles.append(module.register_forward_hook(leave))
+        self._output_logits = kv_cache.output_logits
+        kv_cache.output_logits = self._timed_output_logits
+
+    def _timed_output_logits(self, model: Any, hidden: torch.Tensor) -> torch.Tensor:
+        self._enter(model, None)
+        try:
+            return self._output_logits(model, hidden)
+        finally:
+            self._local.depth = self.depth - 1
+            if self.depth == 0:
+                self.seconds += time.perf_counter() - self._local.start
 
     @property
     def depth(self) -> int:
@@ -101,6 +115,7 @@ class ForwardClock:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        kv_cache.output_logits = self._output_logits
 
 
 #: The KV-cache operations the transformers batch runs between forwards: rows added, dropped,
@@ -120,16 +135,24 @@ CACHE_MOVES = (
     "row_states",
 )
 
+#: The heads cut from the forwards' logits (log-softmax, argmax, top-k over a vocabulary), read
+#: back and unpacked, and the wider heads and full rows asked for later: device work mostly,
+#: timed apart likewise (the read-back and the unpacking, host work, go with it: a few
+#: microseconds a position).
+HEADS_WORK = ("read_heads", "cut_heads", "read_cuts", "wider_heads", "full_rows")
 
-class CacheMoveClock:
-    """Seconds inside :data:`CACHE_MOVES` (outermost call once), while installed."""
 
-    def __init__(self) -> None:
+class FunctionClock:
+    """Seconds inside the named functions of a module (outermost call once), while installed
+    (callers reach them through the module: ``kv_cache.crop``, ``heads.cut_heads``)."""
+
+    def __init__(self, module: Any, names: Sequence[str]) -> None:
         self.seconds = 0.0
+        self.module = module
         self._local = _Depth()
-        self._saved = {name: getattr(kv_cache, name) for name in CACHE_MOVES}
+        self._saved = {name: getattr(module, name) for name in names}
         for name, function in self._saved.items():
-            setattr(kv_cache, name, self._timed(function))
+            setattr(module, name, self._timed(function))
 
     def _timed(self, function: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -147,19 +170,17 @@ class CacheMoveClock:
 
     def close(self) -> None:
         for name, function in self._saved.items():
-            setattr(kv_cache, name, function)
+            setattr(self.module, name, function)
 
 
 class SyncCounter(TorchFunctionMode):
     """Device-to-host reads of tensors computed from the members' weights, per member, outside
     the forwards (``host``) and inside them (``in_forward``, transformers' own); and the
-    *device work* outside the forwards: every torch call on such a tensor that runs a kernel
-    (:func:`_runs_kernel`: not a view, a metadata query or a no-op conversion), which a GPU
-    runs asynchronously, in microseconds, where this CPU computes it in line (heads, KV
-    moves): counted (``device_ops``, a kernel launch each on a GPU, which its host pays for)
-    and timed (``device_seconds``). Every other torch call outside the forwards is host work on
-    any machine (views, shapes; positions and masks built on the host before they move):
-    counted apart (``host_ops``)."""
+    kernels launched outside the forwards (``device_ops``): every torch call on such a tensor
+    that computes or writes data (:func:`_runs_kernel`: not a view, a metadata query, an
+    allocation or a no-op conversion), each a launch a GPU's host pays for. Every other torch
+    call outside the forwards is host work on any machine (views, shapes; positions and masks
+    built on the host before they move): counted apart (``host_ops``)."""
 
     def __init__(self, members: Sequence[Member], clock: ForwardClock):
         super().__init__()
@@ -167,7 +188,6 @@ class SyncCounter(TorchFunctionMode):
         self.host: Counter[str] = Counter()
         self.in_forward: Counter[str] = Counter()
         self.device_ops = 0
-        self.device_seconds = 0.0
         self.host_ops = 0
         self.names = [m.name for m in members]
         for index, member in enumerate(members):
@@ -183,14 +203,10 @@ class SyncCounter(TorchFunctionMode):
         read = member is not None and (func in _READS or moves_to_host)
         if read:
             (self.in_forward if self.clock.depth else self.host)[self.names[member]] += 1
-        # the mode is off inside func: a torch call made by this one is not seen again
-        start = time.perf_counter()
-        out = func(*args, **kwargs)
-        seconds = time.perf_counter() - start
+        out = func(*args, **kwargs)  # the mode is off inside func: its own torch calls unseen
         if not (self.clock.depth or read):
             if member is not None and _runs_kernel(func, args, kwargs, out):
                 self.device_ops += 1
-                self.device_seconds += seconds
             else:
                 self.host_ops += 1
         if member is not None and not read:
@@ -264,8 +280,8 @@ class HostWork:
     ensemble_ops: int = 0
     host_syncs: dict[str, int] = field(default_factory=dict)
     forward_syncs: dict[str, int] = field(default_factory=dict)
-    device_seconds: float | None = None  # device work outside the forwards (the counted pass)
-    device_ops: int | None = None
+    heads_seconds: float = 0.0  # cutting heads (and wider heads, full rows) from the logits
+    device_ops: int | None = None  # kernels launched outside the forwards (the counted pass)
     host_ops: int | None = None
     texts: list[str] = field(default_factory=list)
     host_ms_per_token_repeats: list[float] = field(default_factory=list)  # every timed repeat
@@ -280,13 +296,15 @@ class HostWork:
         return 1e3 * (self.wall_seconds - self.forward_seconds - self.cache_move_seconds) / max(1, self.tokens)
 
     @property
-    def host_less_device_ms_per_token(self) -> float | None:
-        """Host time less the device work outside the forwards (timed in the counted pass):
-        the Python, the host tensors and the reads a GPU's host still pays, per token."""
-        if self.device_seconds is None:
-            return None
-        host = self.wall_seconds - self.forward_seconds - self.device_seconds
-        return 1e3 * host / max(1, self.tokens)
+    def device_seconds(self) -> float:
+        """Device work between the forwards, timed in the same pass: KV moves and heads."""
+        return self.cache_move_seconds + self.heads_seconds
+
+    @property
+    def host_less_device_ms_per_token(self) -> float:
+        """Host time less the device work between the forwards: the Python, the host tensors and
+        the reads a GPU's host still pays, per token (plus a launch per device op)."""
+        return 1e3 * (self.wall_seconds - self.forward_seconds - self.device_seconds) / max(1, self.tokens)
 
     def summary(self) -> dict[str, Any]:
         tokens = max(1, self.tokens)
@@ -318,17 +336,14 @@ class HostWork:
         } | self._device_summary()
 
     def _device_summary(self) -> dict[str, float | None]:
-        """The counted pass's device work per token (None before it ran)."""
-        if self.device_seconds is None or self.device_ops is None or self.host_ops is None:
-            keys = ("device_ms_per_token", "host_ms_per_token_less_device_work")
-            return dict.fromkeys((*keys, "device_ops_per_token", "host_torch_ops_per_token"))
         tokens = max(1, self.tokens)
-        host = self.host_less_device_ms_per_token
+        device_ops, host_ops = self.device_ops, self.host_ops  # None before the counted pass
         return {
+            "heads_s": round(self.heads_seconds, 3),
             "device_ms_per_token": round(1e3 * self.device_seconds / tokens, 3),
-            "host_ms_per_token_less_device_work": None if host is None else round(host, 3),
-            "device_ops_per_token": round(self.device_ops / tokens, 2),
-            "host_torch_ops_per_token": round(self.host_ops / tokens, 2),
+            "host_ms_per_token_less_device_work": round(self.host_less_device_ms_per_token, 3),
+            "device_ops_per_token": None if device_ops is None else round(device_ops / tokens, 2),
+            "host_torch_ops_per_token": None if host_ops is None else round(host_ops / tokens, 2),
         }
 
 
@@ -353,15 +368,17 @@ def measure(
     for member in members:
         member.engine.forget_prefixes()
     clock = ForwardClock(members)
-    moves = CacheMoveClock()
+    moves = FunctionClock(kv_cache, CACHE_MOVES)
+    cutting = FunctionClock(heads, HEADS_WORK)
     try:
         with _engine_calls(members, work.engine_calls):
             start = time.perf_counter()
             results = decoder.generate_many(jobs, batch_size)
             work.wall_seconds = time.perf_counter() - start
         work.forward_seconds, work.forwards = clock.seconds, dict(clock.forwards)
-        work.cache_move_seconds = moves.seconds
+        work.cache_move_seconds, work.heads_seconds = moves.seconds, cutting.seconds
     finally:
+        cutting.close()
         moves.close()
         clock.close()
     work.texts = [text for text, _ in results]
@@ -401,8 +418,4 @@ def count_reads(work: HostWork, decoder: SafeDecoder, jobs: list[GenerationJob])
     if [text for text, _ in counted] != work.texts:
         raise RuntimeError(f"{work.configuration}: the counted pass wrote other texts than the timed one")
     work.host_syncs, work.forward_syncs = dict(counter.host), dict(counter.in_forward)
-    work.device_seconds, work.device_ops, work.host_ops = (
-        counter.device_seconds,
-        counter.device_ops,
-        counter.host_ops,
-    )
+    work.device_ops, work.host_ops = counter.device_ops, counter.host_ops

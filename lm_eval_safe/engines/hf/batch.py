@@ -22,17 +22,9 @@ from typing import Any
 import torch
 
 from lm_eval_safe.engines.base import Call, Complete, Draft, Drafted, EngineBatch, Forward, Row
-from lm_eval_safe.engines.hf import kv_cache
+from lm_eval_safe.engines.hf import heads, kv_cache
 from lm_eval_safe.engines.hf.forward import forward_logits, vocab_logits
-from lm_eval_safe.engines.hf.heads import (
-    CutHeads,
-    Want,
-    cut_heads,
-    full_rows,
-    read_cuts,
-    read_heads,
-    wider_heads,
-)
+from lm_eval_safe.engines.hf.heads import CutHeads, Want
 from lm_eval_safe.members import Member
 
 logger = logging.getLogger(__name__)
@@ -138,12 +130,12 @@ class MemberBatch(EngineBatch):
         results: dict[int, list[Any]] = {}
         for top in sorted({call.top for call in calls.values()}):
             group = {row: call for row, call in calls.items() if call.top == top}
-            heads = [head for call in group.values() for head in call.rows]
+            asked = [head for call in group.values() for head in call.rows]
             if top:
-                answered: Iterator[Any] = iter(wider_heads(heads, top))
+                answered: Iterator[Any] = iter(heads.wider_heads(asked, top))
             else:
-                answered = iter(full_rows(heads))
-                self.member.engine.counters.full_rows += len(heads)
+                answered = iter(heads.full_rows(asked))
+                self.member.engine.counters.full_rows += len(asked)
             results.update({row: [next(answered) for _ in call.rows] for row, call in group.items()})
         return results
 
@@ -192,7 +184,7 @@ class MemberBatch(EngineBatch):
         fed: torch.Tensor | None = None
         while steps:
             parts, owners = self._run(steps, fed)
-            cut = cut_heads(parts, exact_tokens=True)
+            cut = heads.cut_heads(parts, exact_tokens=True)
             window.append((cut, owners))
             position = {row: i for i, row in enumerate(row for part in owners for row in part)}
             following = {}
@@ -205,7 +197,7 @@ class MemberBatch(EngineBatch):
                     )
             fed, steps = cut.tokens, following
         drafted = {row: Drafted([], []) for row in calls}
-        for (_, owners), answers in zip(window, read_cuts([cut for cut, _ in window]), strict=True):
+        for (_, owners), answers in zip(window, heads.read_cuts([cut for cut, _ in window]), strict=True):
             for rows, part_owners in zip(answers, owners, strict=True):
                 for answer, row in zip(rows, part_owners, strict=True):
                     out = drafted[row]
@@ -227,7 +219,7 @@ class MemberBatch(EngineBatch):
         token id when its call reads tokens only."""
         parts, owners = self._run(calls)
         results: dict[int, list[Row]] = {row: [] for row in calls}
-        for rows, part_owners in zip(read_heads(parts), owners, strict=True):
+        for rows, part_owners in zip(heads.read_heads(parts), owners, strict=True):
             for answer, row in zip(rows, part_owners, strict=True):
                 results[row].append(answer)
         return results
