@@ -107,6 +107,7 @@ class MemberBatch(EngineBatch):
             self._trimmed = False
 
     # -- calls ---------------------------------------------------------------------------
+    @torch.inference_mode()
     def run(self, calls: dict[int, Call]) -> dict[int, Any]:
         """Serve the rows' calls: drafts step by step (one batched forward per drafted token,
         for the rows still drafting), forwards in one batched forward, completions in one
@@ -120,7 +121,7 @@ class MemberBatch(EngineBatch):
         if completes:
             results.update(self._complete(completes))
         if forwards:
-            results.update(self.forward(forwards))
+            results.update(self._answered(forwards))
         if drafts:
             results.update(self._draft(drafts))
         return results
@@ -154,7 +155,7 @@ class MemberBatch(EngineBatch):
         drafted = {row: Drafted([], []) for row in calls}
         steps = {row: _DraftStep(c.member, c.keep, c.ids, [len(c.ids) - 1], c) for row, c in calls.items()}
         while steps:
-            answers = self.forward(steps)
+            answers = self._answered(steps)
             following = {}
             for row, step in steps.items():
                 call, out = calls[row], drafted[row]
@@ -217,6 +218,10 @@ class MemberBatch(EngineBatch):
         in, the others share one batched forward. Returns each row's answered positions, read
         back from the device in one copy (:func:`~.heads.read_heads`): rows, or a draft step's
         token id when its call reads tokens only."""
+        return self._answered(calls)
+
+    def _answered(self, calls: dict[int, Forward]) -> dict[int, list[Any]]:
+        """:meth:`forward` inside an engine call (which holds the inference mode already)."""
         parts, owners = self._run(calls)
         results: dict[int, list[Row]] = {row: [] for row in calls}
         for rows, part_owners in zip(heads.read_heads(parts), owners, strict=True):
@@ -224,7 +229,6 @@ class MemberBatch(EngineBatch):
                 results[row].append(answer)
         return results
 
-    @torch.inference_mode()
     def _run(
         self, calls: dict[int, Forward], fed: torch.Tensor | None = None
     ) -> tuple[list[tuple[torch.Tensor, list[Want]]], list[list[int]]]:
@@ -332,6 +336,11 @@ class MemberBatch(EngineBatch):
         from ``fed``."""
         member = self.member
         device = member.engine.input_device
+        # a lone row holds positions 0 .. length - 1 once each, so it has holes iff it has
+        # more slots than tokens
+        if self.rows == 1 and self.slots == self.lengths[0]:
+            ((row, call),) = calls.items()
+            return self._forward_plain(row, call, fed)
         width = max(len(call.ids) for call in calls.values())
         pad_id = member.tokenizer.pad_token_id or 0
         ids_table = [[pad_id] * width for _ in range(self.rows)]
@@ -349,16 +358,6 @@ class MemberBatch(EngineBatch):
             tokens = fed[sources]  # on the output layer's device (the last of a device_map)
             input_ids[rows_fed, 0] = tokens if tokens.device == input_ids.device else tokens.to(device)
         query_pos = torch.tensor(positions_table, dtype=torch.long)
-        # a lone row holds positions 0 .. length - 1 once each, so it has holes iff it has
-        # more slots than tokens
-        plain = self.rows == 1 and self.slots == self.lengths[0]
-        if plain:  # a lone, hole-free row: exactly the unbatched forward
-            ((row, call),) = calls.items()
-            ids = input_ids if on_device else call.ids
-            rows = forward_logits(member, ids, self.cache, list(call.want))
-            self.positions = torch.cat([self.positions, query_pos], dim=1)
-            self.lengths[row] += len(call.ids)
-            return rows
         key_pos = torch.cat([self.positions, query_pos], dim=1)
         # rows without a call would each cost `width` padded positions of compute: when they are
         # the majority, run only the calling rows (their slots gathered, new ones written back)
@@ -386,6 +385,22 @@ class MemberBatch(EngineBatch):
         index_rows = torch.tensor([p[0] for p in picks], device=hidden.device)
         index_cols = torch.tensor([p[1] for p in picks], device=hidden.device)
         return vocab_logits(self._head(hidden[index_rows, index_cols][None])[0], len(member.vocab))
+
+    def _forward_plain(self, row: int, call: Forward, fed: torch.Tensor | None) -> torch.Tensor:
+        """A lone, hole-free row: exactly the unbatched forward (no mask, no padding)."""
+        if isinstance(call, _DraftStep) and call.fed is not None:
+            assert fed is not None
+            ids: list[int] | torch.Tensor = fed[call.fed : call.fed + 1][None]
+            if ids.device != self.member.engine.input_device:
+                ids = ids.to(self.member.engine.input_device)
+        else:
+            ids = call.ids
+        start, n = self.lengths[row], len(call.ids)
+        last_only = list(call.want) == [n - 1]
+        logits = forward_logits(self.member, ids, self.cache, 1 if last_only else list(call.want))
+        self.positions = torch.cat([self.positions, torch.arange(start, start + n)[None]], dim=1)
+        self.lengths[row] += n
+        return logits
 
     # -- model specifics -----------------------------------------------------------------
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:

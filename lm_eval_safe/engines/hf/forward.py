@@ -32,7 +32,6 @@ def forward_logprobs(
     return torch.log_softmax(forward_logits(member, ids, cache, keep), dim=-1).cpu()
 
 
-@torch.inference_mode()
 def forward_logits(
     member: Member, ids: list[int] | torch.Tensor, cache: Any, keep: int | list[int]
 ) -> torch.Tensor:
@@ -42,7 +41,8 @@ def forward_logits(
     listed positions of ``ids``, on the member's device.
 
     Only the needed rows go through the output layer: for a 262k vocabulary it costs more than
-    the rest of a small model.
+    the rest of a small model. Callers hold the inference mode (an engine call, or
+    :func:`forward_logprobs`): entering it once a step cost more than the rest of this call.
     """
     if isinstance(ids, torch.Tensor):
         input_ids = ids
