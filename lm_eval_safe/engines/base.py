@@ -106,9 +106,14 @@ def widened(head: TopLogprobs, values: Sequence[float], ids: Sequence[float]) ->
 
 
 def head_of(row: torch.Tensor, top: int, head: TopLogprobs) -> TopLogprobs:
-    """:func:`widened` from a full row on the host."""
+    """A head of ``top`` ids cut from the full row behind ``head`` (an engine that widens heads
+    by fetching the row: every value from the row, ``head``'s known ids included)."""
     best = torch.topk(row, min(top, row.numel()))
-    return widened(head, best.values.tolist(), best.indices.tolist())
+    argmax = int(torch.argmax(row))
+    ids, values = argmax_first(argmax, float(row[argmax]), best.values.tolist(), best.indices.tolist())
+    known = {token: float(row[token]) for token in head.known}
+    known.update(zip(ids, values, strict=True))
+    return TopLogprobs(ids, values, known, head.handle)
 
 
 #: One answered position: the full log-softmax (transformers), or the head of it (vLLM).
