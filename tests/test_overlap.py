@@ -2,7 +2,7 @@
 verifier positions fed once (issue 18).
 
 References: ``overlap=off`` (itself tested against transformers' ``generate`` and brute force
-elsewhere) for the texts; forwards counted at ``MemberBatch.run`` for the forward counts; hand
+elsewhere) for the texts; forwards counted at ``MemberBatch.forward`` for the forward counts; hand
 computed timelines for the depth model. Models run in float64 where texts must be equal.
 """
 
@@ -52,10 +52,10 @@ def test_overlap_gives_the_texts_of_overlap_off(
     served = {"rows": 0}  # drafter rows the drafter's batch ran, prefills included
     run = hf_batch.MemberBatch.forward
 
-    def counted(self, calls):
+    def counted(self, calls, *fed):
         if self.member.name == tiny_bpe_dir.name:
             served["rows"] += len(calls)
-        return run(self, calls)
+        return run(self, calls, *fed)
 
     monkeypatch.setattr(hf_batch.MemberBatch, "forward", counted)
     for bs in (1, 3):
@@ -103,9 +103,9 @@ def test_forward_counts_match_the_forwards_run(tiny_bpe_dir: Path, tiny_sp_dir: 
     calls: dict[str, int] = {}
     run = hf_batch.MemberBatch.forward
 
-    def counted(self, requests):
+    def counted(self, requests, *fed):
         calls[self.member.name] = calls.get(self.member.name, 0) + 1
-        return run(self, requests)
+        return run(self, requests, *fed)
 
     monkeypatch.setattr(hf_batch.MemberBatch, "forward", counted)
     lm = make_lm(tiny_bpe_dir, tiny_sp_dir, dtype="float64")
@@ -148,7 +148,7 @@ def test_no_verifier_position_fed_twice(
     refed = fed = 0
     run = hf_batch.MemberBatch.forward
 
-    def replayed(self, requests):
+    def replayed(self, requests, *device_fed):
         nonlocal refed, fed
         if self.member.name == verifier_dir.name:
             for row, call in requests.items():
@@ -160,7 +160,7 @@ def test_no_verifier_position_fed_twice(
                 refed += max(0, same - call.keep)
                 fed += len(call.ids)
                 cached[row] = after
-        return run(self, requests)
+        return run(self, requests, *device_fed)
 
     monkeypatch.setattr(hf_batch.MemberBatch, "forward", replayed)
     lm = make_lm(tiny_bpe_dir, verifier_dir, dtype="float64", schedule="aligned")

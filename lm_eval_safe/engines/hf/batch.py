@@ -184,7 +184,7 @@ class MemberBatch(EngineBatch):
         window: list[tuple[CutHeads, list[list[int]]]] = []
         fed: torch.Tensor | None = None
         while steps:
-            parts, owners = self._run(steps, fed)
+            parts, owners = self.forward(steps, fed)
             cut = heads.cut_heads(parts, exact_tokens=True)
             window.append((cut, owners))
             position = {row: i for i, row in enumerate(row for part in owners for row in part)}
@@ -212,29 +212,25 @@ class MemberBatch(EngineBatch):
         return drafted
 
     # -- forwards ------------------------------------------------------------------------
-    @torch.inference_mode()
-    def forward(self, calls: dict[int, Forward]) -> dict[int, list[Any]]:
-        """Serve the rows' forwards: fresh rows (``keep == 0``) are prefilled alone and spliced
-        in, the others share one batched forward. Returns each row's answered positions, read
-        back from the device in one copy (:func:`~.heads.read_heads`): rows, or a draft step's
-        token id when its call reads tokens only."""
-        return self._answered(calls)
-
     def _answered(self, calls: dict[int, Forward]) -> dict[int, list[Any]]:
-        """:meth:`forward` inside an engine call (which holds the inference mode already)."""
-        parts, owners = self._run(calls)
+        """The rows' forwards (:meth:`forward`), each row's answered positions read back from
+        the device in one copy (:func:`~.heads.read_heads`): rows, or a draft step's token id
+        when its call reads tokens only."""
+        parts, owners = self.forward(calls)
         results: dict[int, list[Row]] = {row: [] for row in calls}
         for rows, part_owners in zip(heads.read_heads(parts), owners, strict=True):
             for answer, row in zip(rows, part_owners, strict=True):
                 results[row].append(answer)
         return results
 
-    def _run(
+    def forward(
         self, calls: dict[int, Forward], fed: torch.Tensor | None = None
     ) -> tuple[list[tuple[torch.Tensor, list[Want]]], list[list[int]]]:
-        """The forwards of :meth:`forward`, nothing read back: each part's logits (on the
-        device) with what its positions are wanted as, and the row of each position. ``fed``:
-        the tokens a :class:`_DraftStep` with ``fed`` feeds from (on the device)."""
+        """The one place this batch runs its member's forwards (inside an engine call, which
+        holds the inference mode): fresh rows (``keep == 0``) are prefilled alone and spliced
+        in, the others share one batched forward. Nothing is read back: each part's logits (on
+        the device) with what its positions are wanted as, and the row of each position.
+        ``fed``: the tokens a :class:`_DraftStep` with ``fed`` feeds from (on the device)."""
         parts: list[tuple[torch.Tensor, list[Want]]] = []
         owners: list[list[int]] = []  # per part: the row of each of its positions
         batched: dict[int, Forward] = {}
