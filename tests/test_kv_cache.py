@@ -129,13 +129,33 @@ def test_row_operations_equal_tensor_indexing() -> None:
     picked = kv_cache.layer_states(kv_cache.select_rows(cache, [2, 0, 2]))
     for (k, v), (pk, pv) in zip(states, picked, strict=True):
         assert torch.equal(pk, k[[2, 0, 2]]) and torch.equal(pv, v[[2, 0, 2]])
-    rows = kv_cache.row_states(cache, 1, 1, 4)
-    for (k, v), (rk, rv) in zip(states, rows, strict=True):
+    rows = kv_cache.pack_row_slots(cache, 1, 1, 4)
+    for (k, v), (rk, rv) in zip(states, rows.layers(), strict=True):
         assert torch.equal(rk, k[1:2, :, 1:4]) and torch.equal(rv, v[1:2, :, 1:4])
     kv_cache.crop(cache, 2)
     assert kv_cache.seq_length(cache) == 2
     for (k, _), (ck, _) in zip(states, kv_cache.layer_states(cache), strict=True):
         assert torch.equal(ck, k[:, :, :2])
+
+
+def test_packed_slots_copy_every_layer_and_join_along_the_slots() -> None:
+    """Layers of two shapes (other head counts) and an empty layer: each group of equal tensors
+    is one pack, the copies outlive writes to the cache, and joined chunks equal the slots they
+    were cut from."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(2, 6, 5, 3), (2, 6, 5, 3), (2, 1, 5, 3)]
+    states = [(torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen)) for shape in shapes]
+    cache = kv_cache.new_cache([states[0], None, states[1], states[2]])
+    before = [(k.clone(), v.clone()) for k, v in states]
+    first, second = kv_cache.pack_row_slots(cache, 1, 0, 2), kv_cache.pack_row_slots(cache, 1, 2, 5)
+    assert len(first.packs) == 2 and first.layers()[1] is None
+    assert first.nbytes == sum(k[1:2, :, :2].numel() * 8 for k, _ in before)
+    for k, v in kv_cache.layer_states(cache)[::2] + kv_cache.layer_states(cache)[3:]:
+        k.zero_(), v.zero_()
+    joined = kv_cache.concat_slots([first, second])
+    assert joined[1] is None
+    for (k, v), got in zip(before, [joined[0], joined[2], joined[3]], strict=True):
+        assert torch.equal(got[0], k[1:2, :, :5]) and torch.equal(got[1], v[1:2, :, :5])
 
 
 def test_left_padded_stack() -> None:

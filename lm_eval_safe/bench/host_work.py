@@ -132,7 +132,7 @@ CACHE_MOVES = (
     "crop",
     "concat_slots",
     "new_cache",
-    "row_states",
+    "pack_row_slots",
 )
 
 #: The heads cut from the forwards' logits (log-softmax, argmax, top-k over a vocabulary), read

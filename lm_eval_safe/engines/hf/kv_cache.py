@@ -42,6 +42,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -247,15 +248,20 @@ def _with_spare(tensor: torch.Tensor, spare: int) -> torch.Tensor:
 
 # -- caches -----------------------------------------------------------------------------------
 def new_cache(states: Sequence[LayerStates] | None = None) -> Any:
-    """A ``DynamicCache`` without a config, optionally filled with ``states`` (copies).
+    """A ``DynamicCache`` without a config, optionally holding ``states`` (the tensors
+    themselves: a caller passes tensors no one else writes to).
 
     Without a config every layer keeps its full states, so a sliding-window model can be
-    cropped and extended anywhere; the masks built here apply the window."""
+    cropped and extended anywhere; the masks built here apply the window. A layer adopts its
+    tensors as ``DynamicLayer.lazy_initialization`` starts one (whose ``update`` would copy
+    them into a new tensor: a prefix store's reused states, two copies per layer, per prompt)."""
     cache = DynamicCache()
     for layer_states in states or ():
         layer = DynamicLayer()
         if layer_states is not None:
-            layer.update(*layer_states)
+            keys, values = layer_states
+            layer.dtype, layer.device = keys.dtype, keys.device
+            layer.keys, layer.values, layer.is_initialized = keys, values, True
         cache.layers.append(layer)
     return cache
 
@@ -370,14 +376,49 @@ def rows_view(cache: Any, rows: list[int]) -> Any:
     return out
 
 
-def row_states(cache: Any, row: int, begin: int, end: int) -> list[LayerStates]:
-    """Copies of slots ``begin:end`` of one row, per layer (kept while the cache changes)."""
-    return [
-        None
-        if s is None
-        else (s[0][row : row + 1, :, begin:end].clone(), s[1][row : row + 1, :, begin:end].clone())
-        for s in layer_states(cache)
-    ]
+@dataclass(frozen=True)
+class PackedSlots:
+    """Slots ``begin:end`` of one row of every layer, packed: the keys and values of all layers
+    that share a device, dtype and shape are one tensor ``[tensors, 1, heads, slots, dim]``.
+
+    Why: a prefix store copies a prompt's states out one block at a time and copies a chain of
+    blocks back in for a later prompt. Per layer that is two kernels per block (a 30-layer member
+    launches 60 to store 16 tokens), a cost a GPU's host pays per launch; packed it is one per
+    group of equal tensors, usually one for the whole model."""
+
+    packs: tuple[torch.Tensor, ...]
+    #: per layer: the (pack, index) of its keys and of its values, or None for an empty layer
+    places: tuple[tuple[tuple[int, int], tuple[int, int]] | None, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.packs)
+
+    def layers(self) -> list[LayerStates]:
+        """Per layer, views of its keys and values (``[1, heads, slots, dim]``)."""
+        return [
+            None if place is None else (self.packs[place[0][0]][place[0][1]], self.packs[place[1][0]][place[1][1]])
+            for place in self.places
+        ]
+
+
+def pack_row_slots(cache: Any, row: int, begin: int, end: int) -> PackedSlots:
+    """Copies of slots ``begin:end`` of one row, every layer (kept while the cache changes)."""
+    groups: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+    places: list[tuple[tuple[int, int], tuple[int, int]] | None] = []
+    for states in layer_states(cache):
+        if states is None:
+            places.append(None)
+            continue
+        place = []
+        for tensor in states:
+            part = tensor[row : row + 1, :, begin:end]
+            kind = (part.device, part.dtype, tuple(part.shape))
+            group = groups.setdefault(kind, [])
+            place.append((list(groups).index(kind), len(group)))
+            group.append(part)
+        places.append((place[0], place[1]))
+    return PackedSlots(tuple(torch.stack(group) for group in groups.values()), tuple(places))
 
 
 def write_row(cache: Any, row: int, start: int, source: Any) -> None:
@@ -413,28 +454,14 @@ def stack_left_padded(caches: Sequence[Any], width: int) -> Any:
     return new_cache(stacked)
 
 
-def concat_slots(chunks: Sequence[Sequence[LayerStates]]) -> list[LayerStates]:
-    """Per layer, the states of consecutive chunks (each a :func:`row_states` result)
-    concatenated along the slots."""
-    out: list[LayerStates] = []
-    for parts in zip(*chunks, strict=True):
-        if parts[0] is None:
-            out.append(None)
-        else:
-            out.append(
-                (
-                    torch.cat([p[0] for p in parts], dim=2),  # type: ignore[index]
-                    torch.cat([p[1] for p in parts], dim=2),  # type: ignore[index]
-                )
-            )
-    return out
-
-
-def states_nbytes(states: Sequence[LayerStates]) -> int:
-    return sum(
-        k.numel() * k.element_size() + v.numel() * v.element_size()
-        for k, v in (s for s in states if s is not None)
-    )
+def concat_slots(chunks: Sequence[PackedSlots]) -> list[LayerStates]:
+    """Per layer, the states of consecutive chunks (:func:`pack_row_slots` results of one
+    model) concatenated along the slots: one copy per pack."""
+    places = chunks[0].places
+    if any(chunk.places != places for chunk in chunks):
+        raise ValueError("concat_slots joins the packed slots of one model only")
+    packs = zip(*(chunk.packs for chunk in chunks), strict=True)
+    return PackedSlots(tuple(torch.cat(parts, dim=3) for parts in packs), places).layers()
 
 
 # -- running a model with a cache -------------------------------------------------------------

@@ -35,8 +35,7 @@ class _Block:
     serial: int
     parent: _Block | None
     ids: tuple[int, ...]
-    states: list[kv_cache.LayerStates]
-    nbytes: int
+    states: kv_cache.PackedSlots
     children: int = 0
     used: int = 0
 
@@ -106,11 +105,10 @@ class PrefixStore:
             stored = self._blocks.get(key)
             if stored is None:
                 begin = offset + start
-                states = kv_cache.row_states(cache, row, begin, begin + self.block)
-                nbytes = kv_cache.states_nbytes(states)
-                stored = _Block(next(self._serials), parent, key[1], states, nbytes)
+                states = kv_cache.pack_row_slots(cache, row, begin, begin + self.block)
+                stored = _Block(next(self._serials), parent, key[1], states)
                 self._blocks[key] = stored
-                self.bytes += nbytes
+                self.bytes += states.nbytes
                 if parent is not None:
                     parent.children += 1
             chain.append(stored)
@@ -130,7 +128,7 @@ class PrefixStore:
             _, _, leaf = heapq.heappop(leaves)
             parent = leaf.parent
             del self._blocks[(parent.serial if parent else 0, leaf.ids)]
-            self.bytes -= leaf.nbytes
+            self.bytes -= leaf.states.nbytes
             if parent is not None:
                 parent.children -= 1
                 if parent.children == 0:
