@@ -26,10 +26,16 @@ Why it measures what it does
   device and come back in one read at its end, which is what the read counts are for; a CPU
   reads each token instead (free there), ``--drafts read-each``.
 * Greedy decoding, stop string ``Question:`` (the few-shot format), ``--max-new-tokens`` each.
+* On a GPU (``--device cuda``) every clock times the device's stream with CUDA events (the host's
+  time inside an asynchronous call is its launches only), so *host ms/token* is the device's
+  time outside the forwards per token: its idle time plus the few kernels between forwards,
+  the figure the issue asks for, measured rather than estimated. (The columns that subtract
+  the KV moves and heads there also subtract the host's launches inside those functions.)
 
 Example (alone on the machine)::
 
     .venv/bin/python scripts/bench_host.py --json benchmarks/issue25/host_work.json
+    python scripts/bench_host.py --device cuda --repeats 5 --json host_work_gpu.json   # a GPU
 """
 
 from __future__ import annotations
@@ -69,6 +75,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configurations", default=",".join(CONFIGURATIONS))
     p.add_argument("--data-dir", type=Path, default=REPO_ROOT.parent / "shared" / "data")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--device", default=None, help="every member's device (default: the loader's: cuda if any)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="the members' dtype (auto: bfloat16 on cuda, float32 elsewhere)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed passes per row (the median's is kept)")
     p.add_argument(
         "--drafts",
@@ -118,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     specs = [s.strip() for s in args.members.split(",") if s.strip()]
-    members = [load_member(spec, index=i) for i, spec in enumerate(specs)]
+    members = [load_member(spec, index=i, device=args.device, dtype=args.dtype) for i, spec in enumerate(specs)]
     for member in members:
         member.engine.keep_drafts_on_device = {"auto": None, "on-device": True, "read-each": False}[args.drafts]
     prompts = load_prompts(args.data_dir, "gsm8k", args.prompts, args.shots)
@@ -164,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                 "shots": args.shots,
                 "max_new_tokens": args.max_new_tokens,
                 "drafts": args.drafts,
+                "device": str(members[0].engine.input_device),
+                "dtype": str(members[0].engine.model.dtype),
                 "torch_threads": torch.get_num_threads(),
                 "torch": torch.__version__,
                 "python": platform.python_version(),

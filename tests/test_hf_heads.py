@@ -276,8 +276,9 @@ def test_bench_host_runs_end_to_end(tiny_bpe_dir: Path, tiny_sp_dir: Path, tmp_p
     script = load_script("bench_host", "bench_host_e2e")
     argv = ["--members", f"{tiny_bpe_dir},{tiny_sp_dir}", "--prompts", "2", "--shots", "1"]
     argv += ["--max-new-tokens", "6", "--batch-sizes", "1,2", "--repeats", "2", "--data-dir", str(data)]
-    assert script.main([*argv, "--json", str(out)]) == 0
+    assert script.main([*argv, "--device", "cpu", "--dtype", "float32", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
+    assert (report["config"]["device"], report["config"]["dtype"]) == ("cpu", "torch.float32")
     seen = {(r["configuration"], r["batch_size"]) for r in report["rows"]}
     assert seen == {(c, b) for c in ("drafter", "unite_safe", "gac_safe") for b in (1, 2)}
     for row in report["rows"]:

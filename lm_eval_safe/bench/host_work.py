@@ -64,7 +64,57 @@ class _Depth(threading.local):
     """A thread's nesting of member forwards (verifiers may run on threads of their own)."""
 
     depth = 0
-    start = 0.0
+    start: Any = 0.0
+
+
+class Stopwatch:
+    """Summed intervals of the members' device's time. A CPU runs the work in line, so the host
+    clock is its time; a GPU runs it asynchronously (the host's time inside a call is only its
+    launches), so each interval is a pair of CUDA events on the device's stream: from when the
+    device reaches the first (after the work queued before it) to when it has run the call's
+    last kernel. Either way, wall time less these intervals is the device's time outside them.
+    Event pairs are read at :attr:`seconds`, which waits for the device once."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.on_gpu = self.device.type == "cuda"
+        self._seconds = 0.0
+        self._pairs: list[tuple[Any, Any]] = []
+
+    def mark(self) -> Any:
+        if not self.on_gpu:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def add(self, start: Any) -> None:
+        """The interval from ``start`` (a :meth:`mark`) to now."""
+        if not self.on_gpu:
+            self._seconds += time.perf_counter() - start
+            return
+        self._pairs.append((start, self.mark()))  # list.append: safe from verifier threads
+
+    def settle(self) -> None:
+        """Wait for the device's queued work (the end of a timed run on a GPU)."""
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+
+    @property
+    def seconds(self) -> float:
+        if self._pairs:
+            self.settle()
+            pairs, self._pairs = self._pairs, []
+            self._seconds += sum(start.elapsed_time(end) for start, end in pairs) / 1e3
+        return self._seconds
+
+
+def members_device(members: Sequence[Member]) -> torch.device:
+    """The one device every member computes on; the clocks time one device's stream."""
+    devices = {str(member.engine.input_device) for member in members}
+    if len(devices) != 1:
+        raise ValueError(f"members on {sorted(devices)}: time host work with every member on one device")
+    return torch.device(devices.pop())
 
 
 class ForwardClock:
@@ -74,7 +124,7 @@ class ForwardClock:
     the whole model's forward computes inside itself)."""
 
     def __init__(self, members: Sequence[Member]):
-        self.seconds = 0.0
+        self.watch = Stopwatch(members_device(members))
         self.forwards: Counter[str] = Counter()  # per member: its batch steps and prefills
         self._local = _Depth()
         self._handles: list[Any] = []
@@ -94,7 +144,11 @@ class ForwardClock:
         finally:
             self._local.depth = self.depth - 1
             if self.depth == 0:
-                self.seconds += time.perf_counter() - self._local.start
+                self.watch.add(self._local.start)
+
+    @property
+    def seconds(self) -> float:
+        return self.watch.seconds
 
     @property
     def depth(self) -> int:
@@ -102,13 +156,13 @@ class ForwardClock:
 
     def _enter(self, _module: Any, _args: Any) -> None:
         if self.depth == 0:
-            self._local.start = time.perf_counter()
+            self._local.start = self.watch.mark()
         self._local.depth = self.depth + 1
 
     def _leave(self, name: str, _module: Any, _args: Any, _out: Any) -> None:
         self._local.depth = self.depth - 1
         if self.depth == 0:
-            self.seconds += time.perf_counter() - self._local.start
+            self.watch.add(self._local.start)
             self.forwards[name] += 1
 
     def close(self) -> None:
@@ -146,8 +200,8 @@ class FunctionClock:
     """Seconds inside the named functions of a module (outermost call once), while installed
     (callers reach them through the module: ``kv_cache.crop``, ``heads.cut_heads``)."""
 
-    def __init__(self, module: Any, names: Sequence[str]) -> None:
-        self.seconds = 0.0
+    def __init__(self, module: Any, names: Sequence[str], device: torch.device) -> None:
+        self.watch = Stopwatch(device)
         self.module = module
         self._local = _Depth()
         self._saved = {name: getattr(module, name) for name in names}
@@ -159,14 +213,18 @@ class FunctionClock:
             local = self._local
             if local.depth:
                 return function(*args, **kwargs)
-            local.depth, start = 1, time.perf_counter()
+            local.depth, start = 1, self.watch.mark()
             try:
                 return function(*args, **kwargs)
             finally:
                 local.depth = 0
-                self.seconds += time.perf_counter() - start
+                self.watch.add(start)
 
         return timed
+
+    @property
+    def seconds(self) -> float:
+        return self.watch.seconds
 
     def close(self) -> None:
         for name, function in self._saved.items():
@@ -368,12 +426,14 @@ def measure(
     for member in members:
         member.engine.forget_prefixes()
     clock = ForwardClock(members)
-    moves = FunctionClock(kv_cache, CACHE_MOVES)
-    cutting = FunctionClock(heads, HEADS_WORK)
+    moves = FunctionClock(kv_cache, CACHE_MOVES, clock.watch.device)
+    cutting = FunctionClock(heads, HEADS_WORK, clock.watch.device)
     try:
         with _engine_calls(members, work.engine_calls):
+            clock.watch.settle()
             start = time.perf_counter()
             results = decoder.generate_many(jobs, batch_size)
+            clock.watch.settle()
             work.wall_seconds = time.perf_counter() - start
         work.forward_seconds, work.forwards = clock.seconds, dict(clock.forwards)
         work.cache_move_seconds, work.heads_seconds = moves.seconds, cutting.seconds
