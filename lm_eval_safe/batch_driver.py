@@ -12,6 +12,11 @@ Overlap (``overlap=``, :mod:`lm_eval_safe.overlap`): a request may :class:`Launc
 forward instead of waiting for it, draft meanwhile, and :class:`Await` its rows. Every
 verifier member runs its forwards on a thread of its own (one at a time, in the order asked),
 the drafter on the calling thread, so a member's cache is only ever touched by one thread.
+
+Where requests come from is a :class:`RequestSource`: a fixed list for lm-eval's
+``generate_until`` (:class:`InOrder`), or a server's queue that blocks while the batch is empty,
+so a request that arrives while others decode joins the batch at the next cycle's end and a
+cancelled one leaves it there (:mod:`lm_eval_safe.serve.scheduler`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -65,16 +70,53 @@ class Await:
     pending: Pending
 
 
+class RequestSource(Protocol):
+    """Where :func:`run_batched` takes its requests from, by index."""
+
+    def take(self, wait: bool) -> int | None:
+        """The next request to start. None: none now (``wait`` false: the batch has rows to
+        run), or none ever again (``wait`` true: the batch is empty, the run ends)."""
+        ...
+
+    def cancelled(self, index: int) -> bool:
+        """Whether a running request should leave the batch at this cycle's end, unfinished."""
+        ...
+
+    def between_cycles(self) -> None:
+        """Called at each cycle's end, when no member is in use (a server runs other work on
+        the members there)."""
+        ...
+
+
+class InOrder:
+    """A fixed list of requests in the order given; nothing is ever cancelled."""
+
+    def __init__(self, order: Sequence[int]):
+        self.queue = deque(order)
+
+    def take(self, wait: bool) -> int | None:
+        return self.queue.popleft() if self.queue else None
+
+    def cancelled(self, index: int) -> bool:
+        return False
+
+    def between_cycles(self) -> None:
+        pass
+
+
 class Row:
     """A request in the batch: its decoding steps and the forward it waits for (None: the
-    cycle's end, or done)."""
+    cycle's end, or done). With ``catch``, an exception raised by the request's own steps ends
+    that row alone (``error``), so one bad request does not take its batch-mates down."""
 
-    def __init__(self, index: int, steps: Steps):
+    def __init__(self, index: int, steps: Steps, catch: bool = False):
         self.index = index
         self.steps = steps
+        self.catch = catch
         self.call: Any = None
         self.done = False
         self.result: Any = None
+        self.error: Exception | None = None
         self._started = False
 
     def advance(self, answer: Any = None) -> None:
@@ -84,6 +126,11 @@ class Row:
             step = self.steps.send(answer) if self._started else next(self.steps)
         except StopIteration as stop:
             self.done, self.call, self.result = True, None, stop.value
+            return
+        except Exception as exc:
+            if not self.catch:
+                raise
+            self.done, self.call, self.error = True, None, exc
             return
         self._started = True
         self.call = None if step is CYCLE_END else step
@@ -118,23 +165,23 @@ def drive(steps: Steps, batches: Any) -> Any:
 
 def run_batched(
     members: Sequence[Member],
-    order: Sequence[int],
+    source: RequestSource,
     start: Callable[[int], Steps],
     batch_size: int,
-    on_done: Callable[[int, Any], None] | None = None,
+    on_done: Callable[[int, Any], None],
     threaded: bool = False,
-) -> dict[int, Any]:
-    """Decode the requests ``order`` names, ``batch_size`` rows at a time, ``start(i)`` giving
-    request ``i``'s steps; returns each request's result by index.
+    on_error: Callable[[int, Exception], None] | None = None,
+) -> None:
+    """Decode the requests ``source`` gives, up to ``batch_size`` rows at a time, ``start(i)``
+    giving request ``i``'s steps; ``on_done(i, result)`` as each finishes.
 
     Rows advance in lock-step cycles: every row drafts (one batched forward of member 0 per
     step), then each other member serves the rows that need it in one batched forward, then each
-    row accepts or rolls back on its own. A finished row is replaced by the next request at the
-    cycle's end (continuous refill). ``threaded``: verifier members run on threads of their own,
-    which rows that :class:`Launch` forwards need."""
+    row accepts or rolls back on its own. At each cycle's end finished and cancelled rows leave
+    and the next requests join (continuous refill). ``threaded``: verifier members run on
+    threads of their own, which rows that :class:`Launch` forwards need. ``on_error``: a
+    request whose own steps raise ends alone, reported there (without it the run raises)."""
     batches = [m.engine.new_batch() for m in members]
-    queue = deque(order)
-    results: dict[int, Any] = {}
     rows: list[Row] = []
     with ExitStack() as stack:
         threads: list[ThreadPoolExecutor | None] = [None] * len(members)
@@ -143,26 +190,34 @@ def run_batched(
                 stack.enter_context(ThreadPoolExecutor(1, f"lm-eval-safe-{m.name}"))
                 for m in members[1:]
             ]
-        while queue or rows:
-            while queue and len(rows) < max(1, batch_size):
-                index = queue.popleft()
+        while True:
+            while len(rows) < max(1, batch_size):
+                index = source.take(wait=not rows)
+                if index is None:
+                    break
                 for batch in batches:
                     batch.add_row()
-                rows.append(Row(index, start(index)))
+                rows.append(Row(index, start(index), catch=on_error is not None))
+            if not rows:
+                return
             for row in rows:
                 row.advance()
             while any(row.call is not None for row in rows):
                 _serve(rows, members, batches, threads)
-            alive = [r for r, row in enumerate(rows) if not row.done]
-            for row in rows:
-                if row.done:
-                    results[row.index] = row.result
-                    if on_done is not None:
-                        on_done(row.index, row.result)
+            alive = []
+            for r, row in enumerate(rows):
+                if row.done and row.error is not None and on_error is not None:
+                    on_error(row.index, row.error)
+                elif row.done:
+                    on_done(row.index, row.result)
+                elif source.cancelled(row.index):
+                    row.steps.close()
+                else:
+                    alive.append(r)
             for batch in batches:
                 batch.keep_rows(alive)
             rows = [rows[r] for r in alive]
-    return results
+            source.between_cycles()
 
 
 def _serve(

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
 
-from lm_eval_safe.batch_driver import CYCLE_END, Steps, run_batched
+from lm_eval_safe.batch_driver import CYCLE_END, InOrder, RequestSource, Steps, run_batched
 from lm_eval_safe.draft_window import DraftWindow
 from lm_eval_safe.engines import engines_active
 from lm_eval_safe.engines.base import is_full
@@ -164,18 +164,53 @@ class SafeDecoder:
             order = sorted(range(len(jobs)), key=lambda i: jobs[i][0])
         else:
             order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][0]))
+        results: dict[int, tuple[str, GenerationStats]] = {}
+
+        def finished(index: int, result: tuple[str, GenerationStats]) -> None:
+            results[index] = result
+            if on_done is not None:
+                on_done(index, result)
+
         with engines_active(members):
-            results = run_batched(
+            run_batched(
                 members,
-                order,
+                InOrder(order),
                 lambda i: self._decode(
                     GenerationJob(*jobs[i]), None if on_trace is None else partial(on_trace, i)
                 ),
                 batch_size,
-                on_done,
+                finished,
                 threaded=self.overlap,
             )
         return [results[i] for i in range(len(jobs))]
+
+    def serve(
+        self,
+        source: RequestSource,
+        job_of: Callable[[int], GenerationJob],
+        batch_size: int,
+        on_done: Callable[[int, tuple[str, GenerationStats]], None],
+        on_error: Callable[[int, Exception], None],
+        on_text: Callable[[int, str], None] | None = None,
+    ) -> None:
+        """Decode requests as ``source`` hands them over until it closes (a server's loop):
+        each joins the running batch at a cycle's end and leaves it when done or cancelled.
+        ``on_text(i, text)``: request ``i``'s text after each cycle, every token in it settled
+        (accepted or ensembled; stop strings not yet cut); a request whose own decoding fails
+        goes to ``on_error`` and its batch-mates go on."""
+        members = [self.drafter, *self.verifiers]
+        with engines_active(members):
+            run_batched(
+                members,
+                source,
+                lambda i: self._decode(
+                    job_of(i), on_text=None if on_text is None else partial(on_text, i)
+                ),
+                batch_size,
+                on_done,
+                threaded=self.overlap,
+                on_error=on_error,
+            )
 
     def _start(self, job: GenerationJob) -> RequestState:
         context, max_new_tokens, sampling = job.context, job.max_new_tokens, job.sampling
@@ -194,7 +229,12 @@ class SafeDecoder:
         state.stats.sampled_requests = int(sampler is not None)
         return state
 
-    def _decode(self, job: GenerationJob, emit: Callable[[dict], None] | None = None) -> Steps:
+    def _decode(
+        self,
+        job: GenerationJob,
+        emit: Callable[[dict], None] | None = None,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Steps:
         """One request's SAFE loop (SAFE_SPEC §3): the same code at every batch size.
 
         Sampled requests (README "Sampling") differ in three places: the drafter draws its
@@ -231,7 +271,10 @@ class SafeDecoder:
                 state.generated[:max_new_tokens], skip_special_tokens=True
             )
             if eos_at is not None or _find_stop(state.text, until) is not None:
+                stats.stopped_requests = 1
                 break
+            if on_text is not None:
+                on_text(state.text)
             yield CYCLE_END
         stats.generated_tokens = len(state.generated[:max_new_tokens])
         stats.drafted_tokens = state.drafter.drafted

@@ -18,7 +18,7 @@ from lm_eval.models.utils import handle_stop_sequences
 from lm_eval_safe.decoding import GenerationJob
 from lm_eval_safe.members import CHAT_MARKER, Member
 from lm_eval_safe.options import OptionError, RequestError
-from lm_eval_safe.sampling import parse_gen_kwargs, request_seed
+from lm_eval_safe.sampling import GenerationSettings, parse_gen_kwargs, request_seed
 
 logger = logging.getLogger("lm_eval_safe")
 
@@ -37,6 +37,8 @@ class JobBuilder:
         self.drafter = drafter
         self.default_max_gen_toks = default_max_gen_toks
         self.sampling_seed = sampling_seed
+        eos = drafter.eos_id
+        self.eos_text = None if eos is None else drafter.tokenizer.decode([eos])
 
     def build(self, requests: Sequence[Any], labels: Sequence[str]) -> list[GenerationJob]:
         """Every request's job, or a :class:`RequestError` naming the first bad one.
@@ -44,21 +46,26 @@ class JobBuilder:
         A sampled request's random stream is seeded by the run's seed, its content and its
         repeat index: lm-eval sends a task with ``repeats: k`` as k identical requests, and the
         k-th of them in this call is repeat k."""
-        drafter = self.drafter
-        eos_text = drafter.tokenizer.decode([drafter.eos_id]) if drafter.eos_id is not None else None
         repeats: dict[str, int] = {}
         jobs = []
         for request, label in zip(requests, labels, strict=True):
+            context, gen_kwargs = request.args
             try:
-                jobs.append(self._job(request, eos_text, repeats))
+                settings = parse_gen_kwargs(gen_kwargs, self.default_max_gen_toks)
+                content = settings.canonical() + "\x00" + context
+                repeat = repeats[content] = repeats.get(content, -1) + 1
+                jobs.append(self.job(context, settings, self.sampling_seed, repeat))
             except ValueError as exc:
                 raise RequestError(f"{label}: {exc}") from exc
         return jobs
 
-    def _job(self, request: Any, eos_text: str | None, repeats: dict[str, int]) -> GenerationJob:
-        context, gen_kwargs = request.args
-        settings = parse_gen_kwargs(gen_kwargs, self.default_max_gen_toks)
-        until = handle_stop_sequences(list(settings.until), eos=eos_text)
+    def job(
+        self, context: str, settings: GenerationSettings, seed: int, repeat: int = 0
+    ) -> GenerationJob:
+        """One request's job: its stop strings with the drafter's EOS text (as lm-eval's
+        ``hf`` adds it), its budget checked against the drafter's window, and for a sampled
+        request its own random stream from ``seed``, its content and ``repeat``."""
+        until = handle_stop_sequences(list(settings.until), eos=self.eos_text)
         max_gen_toks = settings.max_gen_toks
         window = self.drafter.max_length
         if max_gen_toks >= window:
@@ -67,10 +74,8 @@ class JobBuilder:
             )
         if settings.sampling.greedy:
             return GenerationJob(context, until, max_gen_toks)
-        content = settings.canonical() + "\x00" + context
-        repeat = repeats[content] = repeats.get(content, -1) + 1
-        seed = request_seed(self.sampling_seed, context, settings, repeat)
-        return GenerationJob(context, until, max_gen_toks, settings.sampling, seed)
+        stream = request_seed(seed, context, settings, repeat)
+        return GenerationJob(context, until, max_gen_toks, settings.sampling, stream)
 
 
 class EmptyResponses:

@@ -44,6 +44,56 @@ def _segments(scores: list[MemberScore], text: bytes) -> list[int]:
     return sorted(c for c in common if 0 < c < total and is_char_boundary(text, c)) + [total]
 
 
+@dataclass
+class Segments:
+    """The scored text cut at common boundaries: per member, each segment's log-prob and its
+    first token's log-prob and argmax flag; whether the drafter's tokens in it are its argmax."""
+
+    cuts: list[int]  # byte offset where each segment ends
+    logprobs: list[list[float]]  # [member][segment]
+    first_logprobs: list[list[float | None]]
+    first_greedy: list[list[bool]]
+    drafted: list[bool]
+
+    @classmethod
+    def of(cls, scores: list[MemberScore], text: bytes, drafter: int = 0) -> Segments:
+        cuts = _segments(scores, text)
+        n_seg = len(cuts)
+        seg_lp = [[0.0] * n_seg for _ in scores]
+        first_lp: list[list[float | None]] = [[None] * n_seg for _ in scores]
+        first_greedy: list[list[bool]] = [[True] * n_seg for _ in scores]
+        drafted = [True] * n_seg
+        for m, score in enumerate(scores):
+            ends = score.ends or [len(text)] * len(score.logprobs)
+            for lp, greedy, end in zip(score.logprobs, score.greedy, ends, strict=True):
+                s = min(bisect.bisect_left(cuts, end), n_seg - 1)
+                seg_lp[m][s] += lp
+                if first_lp[m][s] is None:
+                    first_lp[m][s], first_greedy[m][s] = lp, greedy
+                if m == drafter and not greedy:
+                    drafted[s] = False
+        return cls(cuts, seg_lp, first_lp, first_greedy, drafted)
+
+    def ensemble(self, weights: list[float], how: str) -> list[float]:
+        """Each segment's ensemble log-probability: ``log sum_m w_m P_m(segment)`` (``mean``)
+        or ``sum_m w_m log P_m(segment)`` (``logmean``), weights normalised."""
+        norm = [w / sum(weights) for w in weights]
+        values = []
+        for s in range(len(self.cuts)):
+            parts = [member[s] for member in self.logprobs]
+            if how == "logmean":
+                values.append(sum(w * lp for w, lp in zip(norm, parts, strict=True) if w > 0))
+            else:
+                top = max(lp for w, lp in zip(norm, parts, strict=True) if w > 0)
+                values.append(
+                    top
+                    + math.log(
+                        sum(w * math.exp(lp - top) for w, lp in zip(norm, parts, strict=True) if w > 0)
+                    )
+                )
+        return values
+
+
 def combine(
     scores: list[MemberScore],
     weights: list[float],
@@ -54,8 +104,7 @@ def combine(
 ) -> tuple[float, bool]:
     """Ensemble log-probability over common boundaries, and the ``is_greedy`` flag.
 
-    Score: sum over segments of ``log sum_m w_m P_m(segment)`` (``how="mean"``, in log space) or
-    ``sum_m w_m log P_m(segment)`` (``"logmean"``), weights normalised.
+    Score: the sum over segments of :meth:`Segments.ensemble`.
 
     ``is_greedy`` mirrors what greedy SAFE decoding from the context would do. Segment starts
     are exactly the positions where every tokenizer has a boundary, i.e. SAFE's only candidate
@@ -69,39 +118,15 @@ def combine(
     """
     if len(scores) == 1:
         return sum(scores[0].logprobs), all(scores[0].greedy)
-    cuts = _segments(scores, text)
-    norm = [w / sum(weights) for w in weights]
-    n_seg = len(cuts)
-    seg_lp = [[0.0] * n_seg for _ in scores]
-    first_lp: list[list[float | None]] = [[None] * n_seg for _ in scores]
-    first_greedy: list[list[bool]] = [[True] * n_seg for _ in scores]
-    drafted = [True] * n_seg
-    for m, score in enumerate(scores):
-        ends = score.ends or [len(text)] * len(score.logprobs)
-        for lp, greedy, end in zip(score.logprobs, score.greedy, ends, strict=True):
-            s = min(bisect.bisect_left(cuts, end), n_seg - 1)
-            seg_lp[m][s] += lp
-            if first_lp[m][s] is None:
-                first_lp[m][s], first_greedy[m][s] = lp, greedy
-            if m == drafter and not greedy:
-                drafted[s] = False
+    segments = Segments.of(scores, text, drafter)
     total, is_greedy = 0.0, True
-    for s in range(n_seg):
-        parts = [seg_lp[m][s] for m in range(len(scores))]
-        if how == "logmean":
-            total += sum(w * lp for w, lp in zip(norm, parts, strict=True) if w > 0)
-        else:
-            top = max(lp for w, lp in zip(norm, parts, strict=True) if w > 0)
-            total += top + math.log(
-                sum(w * math.exp(lp - top) for w, lp in zip(norm, parts, strict=True) if w > 0)
-            )
+    for s, value in enumerate(segments.ensemble(weights, how)):
+        total += value
         if is_greedy:
-            lps = [
-                lp if lp is not None else 0.0 for lp in (first_lp[m][s] for m in range(len(scores)))
-            ]
-            flags = [first_greedy[m][s] for m in range(len(scores))]
+            lps = [lp if lp is not None else 0.0 for lp in (f[s] for f in segments.first_logprobs)]
+            flags = [f[s] for f in segments.first_greedy]
             agreed = consensus(lps, flags) if consensus else all(flags)
-            is_greedy = drafted[s] and agreed
+            is_greedy = segments.drafted[s] and agreed
     return total, is_greedy
 
 
@@ -136,6 +161,52 @@ def score_loglikelihood(
     member scores every request (contexts shared by several choices run once per member), then
     segment probabilities are aggregated at common boundaries. ``labels`` name the requests in
     errors (``<task> doc <id>``)."""
+    weights = options.member_weights(len(members))
+    rule = greedy_rule(weights, drafter, options.schedule, options.aggregator)
+    return [
+        combine(scores, weights, options.ll_aggregate, scored, drafter, rule)
+        for scored, scores in _member_scores(members, options, args, labels, disable_tqdm)
+    ]
+
+
+def score_segments(
+    members: Sequence[Member], options: SafeOptions, context: str, continuation: str
+) -> list[tuple[str, float]]:
+    """The continuation cut at every member's common token boundaries, each piece with the
+    ensemble's log-probability of it given the context and the pieces before it (what the
+    server reports as ``logprobs``; they sum to :func:`score_loglikelihood`'s score). A context
+    ending in spaces lends them to the continuation, as lm-eval's tokenization of a pair does:
+    the first piece's log-prob covers them, its text does not."""
+    ((scored, scores),) = _member_scores(members, options, [(context, continuation)], ["logprobs"], True)
+    if len(scores) == 1 and scores[0].ends is not None:
+        cuts, values = scores[0].ends, scores[0].logprobs
+    elif len(scores) == 1:  # its tokens do not spell the text: one piece
+        cuts, values = [len(scored)], [sum(scores[0].logprobs)]
+    else:
+        segments = Segments.of(scores, scored)
+        cuts, values = segments.cuts, segments.ensemble(options.member_weights(len(members)), options.ll_aggregate)
+    # a context's trailing spaces, lent to the continuation, are the context's text: cut from
+    # the first piece (a piece of nothing else gives its log-prob to the next)
+    start = len(scored) - len(continuation.encode("utf-8"))
+    pieces: list[tuple[str, float]] = []
+    carried = 0.0
+    for end, value in zip(cuts, values, strict=True):
+        if end <= start:
+            carried += value
+            continue
+        pieces.append((scored[start:end].decode("utf-8", errors="replace"), value + carried))
+        start, carried = end, 0.0
+    return pieces
+
+
+def _member_scores(
+    members: Sequence[Member],
+    options: SafeOptions,
+    args: list[tuple[str, str]],
+    labels: list[str],
+    disable_tqdm: bool,
+) -> list[tuple[bytes, list[MemberScore]]]:
+    """Per request, the scored continuation's bytes and each member's :class:`MemberScore`."""
     for i, (context, continuation) in enumerate(args):
         if continuation == "":
             raise RequestError(
@@ -151,8 +222,6 @@ def score_loglikelihood(
         labels=[(c[-60:], x) for c, x in args],
         disable_tqdm=disable_tqdm,
     )
-    weights = options.member_weights(len(members))
-    rule = greedy_rule(weights, drafter, options.schedule, options.aggregator)
     results = []
     for i, (_, continuation) in enumerate(args):
         texts = [enc[i][2] for enc in encoded]
@@ -165,7 +234,7 @@ def score_loglikelihood(
                 shift = len(enc[i][2].encode("utf-8")) - len(scored)
                 ends = [max(0, e - shift) for e in ends]
             scores.append(MemberScore(tokens[i][0], tokens[i][1], ends))
-        results.append(combine(scores, weights, options.ll_aggregate, scored, drafter, rule))
+        results.append((scored, scores))
     return results
 
 

@@ -32,6 +32,13 @@ logger = logging.getLogger(__name__)
 CHAT_MARKER = "\x00lm-eval-safe-chat\x00"
 
 
+def chat_context(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    """A conversation as one context string whose rendering is deferred: each member renders
+    it with its own chat template when it encodes it (:meth:`Member.render_context`)."""
+    payload = {"messages": messages, "add_generation_prompt": add_generation_prompt}
+    return CHAT_MARKER + json.dumps(payload, ensure_ascii=False)
+
+
 @dataclass(frozen=True)
 class MemberSource:
     """Where a member's weights come from, resolved without loading anything."""

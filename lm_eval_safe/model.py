@@ -24,7 +24,7 @@ from lm_eval_safe.engines.hf.placement import (
 )
 from lm_eval_safe.generation_requests import EmptyResponses, JobBuilder, request_label
 from lm_eval_safe.loglikelihood import score_loglikelihood, score_rolling
-from lm_eval_safe.members import CHAT_MARKER, Member, check_gguf_file, resolve_source
+from lm_eval_safe.members import Member, chat_context, check_gguf_file, resolve_source
 from lm_eval_safe.options import (
     OptionError,
     SafeOptions,
@@ -238,8 +238,7 @@ class SafeEnsembleLM(LM):
         if plain and not self._warned_plain:
             logger.warning("--apply_chat_template: %s have no chat template; they get plain text", plain)
             self._warned_plain = True
-        payload = {"messages": chat_history, "add_generation_prompt": add_generation_prompt}
-        return CHAT_MARKER + json.dumps(payload, ensure_ascii=False)
+        return chat_context(chat_history, add_generation_prompt)
 
     def get_model_info(self) -> dict[str, Any]:
         """Configuration and SAFE statistics, saved by lm-eval in the results' ``config``."""

@@ -23,6 +23,7 @@ class GenerationStats:
     sharpened_ops: int = 0
     misaligned_ensembles: int = 0  # every/threshold baselines: ensembles at OOV-like positions
     sampled_requests: int = 0  # requests decoded by sampling (the rest are greedy)
+    stopped_requests: int = 0  # requests that ended at EOS or a stop string (the rest: budget)
     prefill_tokens: int = 0  # prompt tokens of every member (generation and scoring contexts)
     prefill_tokens_saved: int = 0  # of those, states taken from the shared-prefix store
     # engines answering with heads (top-K log-probs: vLLM): decisions settled from the heads
