@@ -1,5 +1,6 @@
-"""``lm-eval-safe``: the ``lm_eval`` command with this project's tasks on the include path, and
-``lm-eval-safe report`` (one HTML page over lm-eval output folders).
+"""``lm-eval-safe``: the ``lm_eval`` command with this project's tasks on the include path,
+``lm-eval-safe report`` (one HTML page over lm-eval output folders) and ``lm-eval-safe serve``
+(the ensemble behind an OpenAI-compatible server: :mod:`lm_eval_safe.serve`).
 
 Same arguments as ``lm_eval``; ``--model`` defaults to ``safe-ensemble``. It exists so a user
 who cannot rely on the start-up hook (e.g. a read-only site-packages) still has one command.
@@ -38,6 +39,11 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["report"]:
         report(args[1:])
+        return
+    if args[:1] == ["serve"]:
+        from lm_eval_safe.serve.main import main as serve
+
+        serve(args[1:])
         return
     import lm_eval_safe
     from lm_eval_safe._autoregister import install

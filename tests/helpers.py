@@ -12,6 +12,8 @@ from typing import Any
 
 from lm_eval.api.instance import Instance
 
+from lm_eval_safe.bench.server import free_port
+
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "12", "dogs", "ran", "over", "3", "hills", "while", "Anna", "counted", "45", "apples", "in", "the", "garden", "because", "numbers", "like", "7", "and", "8", "sum", "to", "15", "so", "we", "write", "\\frac{1}{2}", "or", "\\boxed{42}", "café", "naïve", "über", "数学", "question", "answer", "total", "clips", "sold"]
 
 
@@ -152,14 +154,6 @@ def load_script(name: str, module_name: str | None = None) -> ModuleType:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def torchrun(processes: int) -> list[str]:

@@ -89,10 +89,12 @@ def test_the_installed_versions_are_tested() -> None:
 
 
 def test_pyproject_ranges_are_the_tested_ranges() -> None:
-    """pyproject.toml's floors are the floor environment's pins (.ci/floor-constraints.txt) and
-    its caps the ends of the tested spans, so pip never installs an untested release."""
+    """pyproject.toml's floors (the server's extra included) are the floor environment's pins
+    (.ci/floor-constraints.txt) and its caps the ends of the tested spans, so pip never
+    installs an untested release."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    declared = {Requirement(r).name: Requirement(r).specifier for r in project["dependencies"]}
+    runtime = [*project["dependencies"], *project["optional-dependencies"]["serve"]]
+    declared = {Requirement(r).name: Requirement(r).specifier for r in runtime}
     pins = {}
     for line in (REPO / ".ci" / "floor-constraints.txt").read_text().splitlines():
         line = line.split("#")[0].strip()
