@@ -61,9 +61,9 @@ def register_model() -> None:
 
 def _patch_cli_utils(module: ModuleType) -> None:
     """lm-eval 0.4.10+ (0.4.9 has no ``lm_eval._cli``; its CLI hands ``--model_args`` to the
-    model as the string the user typed, which :func:`lm_eval_safe.options.parse_model_args`
+    model as the string the user typed, which :func:`lm_eval_safe.model_args.parse_model_args`
     reads)."""
-    from lm_eval_safe.options import fold_bare_items, split_top_level
+    from lm_eval_safe.model_args import fold_bare_items, split_top_level
 
     original = module.key_val_to_dict
 
@@ -85,7 +85,7 @@ def _patch_tracker(module: ModuleType) -> None:
     original = tracker._get_model_name
 
     def _get_model_name(model_args: Any) -> str | None:
-        from lm_eval_safe.options import stable_run_name
+        from lm_eval_safe.model_args import stable_run_name
 
         name = stable_run_name(model_args)
         return name if name is not None else original(model_args)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from lm_eval_safe.disk_cache import atomic_file, cache_root
-from lm_eval_safe.options import OptionError
+from lm_eval_safe.errors import OptionError
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,11 @@ from lm_eval_safe.draft_window import DraftWindow
 from lm_eval_safe.engines import engines_active
 from lm_eval_safe.engines.base import is_full
 from lm_eval_safe.ensembling import Ensembler, complete_views, widen_views
+from lm_eval_safe.errors import RequestError
 from lm_eval_safe.latency import CycleForwards, forward_depth
 from lm_eval_safe.member_runs import DrafterRun, VerifierRun, WindowExhausted, verifier_reserve
 from lm_eval_safe.members import Member
-from lm_eval_safe.options import RequestError, SafeOptions
+from lm_eval_safe.options import SafeOptions
 from lm_eval_safe.overlap import overlap_enabled, verify_beside_draft
 from lm_eval_safe.sampling import RowSampler, SamplingParams
 from lm_eval_safe.schedules import Draft, DrafterAlone, Schedule, make_schedule

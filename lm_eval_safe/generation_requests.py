@@ -16,8 +16,8 @@ from typing import Any
 from lm_eval.models.utils import handle_stop_sequences
 
 from lm_eval_safe.decoding import GenerationJob
+from lm_eval_safe.errors import OptionError, RequestError
 from lm_eval_safe.members import CHAT_MARKER, Member
-from lm_eval_safe.options import OptionError, RequestError
 from lm_eval_safe.sampling import GenerationSettings, parse_gen_kwargs, request_seed
 
 logger = logging.getLogger("lm_eval_safe")

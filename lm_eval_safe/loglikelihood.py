@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from lm_eval_safe.errors import RequestError
 from lm_eval_safe.members import Member
-from lm_eval_safe.options import RequestError, SafeOptions
+from lm_eval_safe.options import SafeOptions
 from lm_eval_safe.schedules import GAC_GATE, consensus
 from lm_eval_safe.scoring import encode_pair, score_members
 from lm_eval_safe.vocabulary import is_char_boundary

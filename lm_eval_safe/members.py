@@ -24,8 +24,9 @@ from typing import Any
 
 from lm_eval_safe.aliases import ALIASES, resolve_alias
 from lm_eval_safe.disk_cache import cache_root, cached_folder
+from lm_eval_safe.errors import OptionError
 from lm_eval_safe.lm_eval_compat import default_add_special_tokens
-from lm_eval_safe.options import OptionError, member_display_name
+from lm_eval_safe.model_args import member_display_name
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections import deque
 from typing import Any
@@ -16,22 +15,18 @@ from tqdm import tqdm
 from lm_eval_safe import __version__
 from lm_eval_safe.decoding import SafeDecoder
 from lm_eval_safe.distributed import AcceleratorView, ProcessGroup
-from lm_eval_safe.engines import generation_rows, load_member
+from lm_eval_safe.engines import generation_rows, load_members
 from lm_eval_safe.engines.hf.placement import (
     LM_EVAL_CLI_DEFAULT_DEVICE,
     plan_placement,
     visible_hardware,
 )
+from lm_eval_safe.errors import OptionError
 from lm_eval_safe.generation_requests import EmptyResponses, JobBuilder, request_label
 from lm_eval_safe.loglikelihood import score_loglikelihood, score_rolling
-from lm_eval_safe.members import Member, chat_context, check_gguf_file, resolve_source
-from lm_eval_safe.options import (
-    OptionError,
-    SafeOptions,
-    parse_model_args,
-    parse_options,
-    resolve_drafter_index,
-)
+from lm_eval_safe.members import Member, chat_context
+from lm_eval_safe.model_args import parse_model_args, resolve_drafter_index
+from lm_eval_safe.options import SafeOptions, parse_options
 from lm_eval_safe.stats import GenerationStats
 from lm_eval_safe.tracing import TraceWriter, new_stamp, repeat_indices
 from lm_eval_safe.use_cache import cache_identity, cache_namespace, use_cache_table
@@ -65,40 +60,7 @@ class SafeEnsembleLM(LM):
             world_size=self._world_size,
             process_device=self.process_group.device,
         )
-        for spec in opts.members:  # every file checked before any member loads (that takes minutes)
-            source = resolve_source(spec, opts.cache_dir)
-            if source.kind == "gguf":
-                check_gguf_file(source)
-        engines = opts.member_engines()
-        vllm_plans = iter(())
-        if "vllm" in engines:  # checked (installed, known arguments) before any member loads
-            from lm_eval_safe.engines.vllm.loading import plan_vllm_members
-
-            local_rank = int(os.environ.get("LOCAL_RANK", self._rank))
-            vllm_plans = iter(plan_vllm_members(opts, self.placements, self._world_size, local_rank))
-        common = {
-            "dtype": opts.dtype,
-            "trust_remote_code": opts.trust_remote_code,
-            "cache_dir": opts.cache_dir,
-            "max_length": opts.max_length,
-            "add_bos_token": opts.add_bos_token,
-        }
-        self.members: list[Member] = []
-        for i, spec in enumerate(opts.members):
-            if engines[i] == "vllm":
-                member = load_member(spec, engine="vllm", index=i, **common, **next(vllm_plans))
-            else:
-                member = load_member(
-                    spec,
-                    index=i,
-                    device=self.placements[i].device,
-                    device_map=self.placements[i].device_map,
-                    fast_small_linear=opts.fast_small_linear,
-                    prefix_cache_mb=opts.prefix_cache_mb,
-                    top_logprobs=opts.top_logprobs,
-                    **common,
-                )
-            self.members.append(member)
+        self.members: list[Member] = load_members(opts, self.placements, self._rank, self._world_size)
         self.decoder = SafeDecoder(self.members, self.drafter_index, opts)
         self.traces: TraceWriter | None = None
         if opts.trace:  # every rank names its files after rank 0's start

@@ -1,4 +1,5 @@
-"""Parsing and validation of ``--model_args`` for ``safe-ensemble``.
+"""The options of ``safe-ensemble`` (:class:`SafeOptions`): parsed from ``--model_args``
+(:mod:`lm_eval_safe.model_args` reads the text) and validated.
 
 Everything a user can type reaches the model as one validated :class:`SafeOptions`, so a typo
 fails in one line before any model is loaded, and the rest of the code never re-parses strings.
@@ -6,11 +7,12 @@ fails in one line before any model is loaded, and the rest of the code never re-
 
 from __future__ import annotations
 
-import ast
-import json
 import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+from lm_eval_safe.errors import OptionError
+from lm_eval_safe.model_args import resolve_drafter_index, split_list
 
 SCHEDULES = ("safe", "every", "aligned", "threshold", "drafter")
 AGGREGATORS = ("gac", "unite")
@@ -20,114 +22,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 FAST_SMALL_LINEAR = ("auto", "on", "off")
 OVERLAP = ("auto", "on", "off")
 ENGINES = ("hf", "vllm")  # lm_eval_safe.engines
-
-
-class OptionError(ValueError):
-    """A model_args problem the user can fix; the message is one line saying how."""
-
-
-class RequestError(ValueError):
-    """A request that cannot run, found before any work: one line naming its document."""
-
-
-def split_top_level(text: str) -> list[str]:
-    """Split on commas outside brackets, braces and quotes (``weights=[1,2],members=a|b``);
-    empty parts are dropped. lm-eval 0.4.13 has the same rule in ``lm_eval._cli.utils``, which
-    0.4.9 lacks and 0.4.10-0.4.12 spell differently: hence this copy, the only one used here."""
-    parts: list[str] = []
-    buf: list[str] = []
-    depth = 0
-    quote: str | None = None
-    for char in text:
-        if quote is not None:
-            if char == quote:
-                quote = None
-        elif char in "\"'":
-            quote = char
-        elif char in "[({":
-            depth += 1
-        elif char in "])}":
-            depth = max(depth - 1, 0)
-        elif char == "," and depth == 0:
-            parts.append("".join(buf))
-            buf = []
-            continue
-        buf.append(char)
-    parts.append("".join(buf))
-    return [part for part in parts if part]
-
-
-def fold_bare_items(items: list[str]) -> list[tuple[str, str]]:
-    """Turn ``["members=a", "b", "drafter=b"]`` into ``[("members", "a,b"), ("drafter", "b")]``.
-
-    A bare item (no ``=``) can only be a continuation of the previous value that a comma split.
-    """
-    pairs: list[tuple[str, str]] = []
-    for item in items:
-        if "=" in item:
-            key, value = item.split("=", 1)
-            pairs.append((key.strip(), value))
-        elif pairs:
-            key, value = pairs[-1]
-            pairs[-1] = (key, f"{value},{item}")
-        else:
-            raise OptionError(f"model_args: expected key=value, got {item!r}")
-    return pairs
-
-
-def parse_model_args(model_args: str | dict[str, Any] | None) -> dict[str, Any]:
-    """The one parser of ``--model_args``, for the model, the CLI hook and run names.
-
-    A string is ``key=value`` pairs (``members=a,b,drafter=b``: a bare item continues the value
-    before it, so the user's literal ``members=a,b`` works) or a JSON object. A dict is taken as
-    it is, except that the bare items of lm-eval's plain parser (``{"members": "a", "b": ""}``)
-    are folded back into ``members``."""
-    if model_args is None:
-        return {}
-    if isinstance(model_args, dict):
-        args = dict(model_args)
-        bare = [k for k, v in args.items() if v == "" and k not in _KNOWN]
-        if bare and "members" in args:
-            args["members"] = ",".join([str(args["members"]), *bare])
-            for key in bare:
-                del args[key]
-        return args
-    text = model_args.strip()
-    if not text:
-        return {}
-    if text.startswith("{"):
-        try:
-            parsed = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise OptionError(f"model_args {text[:60]!r} is not valid JSON: {exc.msg}") from exc
-        if not isinstance(parsed, dict):
-            raise OptionError("model_args JSON must be an object, e.g. {\"members\": [\"a\", \"b\"]}")
-        return parsed
-    return dict(fold_bare_items(split_top_level(text)))
-
-
-def split_list(value: Any, what: str) -> list[str]:
-    """Accept ``a,b``, ``a|b``, a JSON/Python list literal, or a real list/tuple."""
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        return [str(v).strip() for v in value if str(v).strip()]
-    if not isinstance(value, str):
-        return [str(value)]
-    text = value.strip()
-    if text.startswith("["):
-        try:
-            parsed = json.loads(text)
-        except json.JSONDecodeError:
-            try:
-                parsed = ast.literal_eval(text)
-            except (ValueError, SyntaxError) as exc:
-                raise OptionError(
-                    f"{what}={value!r} is not a valid list; write a,b or a|b"
-                ) from exc
-        return split_list(list(parsed), what)
-    sep = "|" if "|" in text else ","
-    return [part.strip() for part in text.split(sep) if part.strip()]
 
 
 def _as_bool(value: Any, key: str) -> bool:
@@ -273,6 +167,12 @@ OUTPUT_OPTIONS: tuple[str, ...] = (
 
 
 _KNOWN = {f.name for f in fields(SafeOptions)} - {"extra", "engine_args"}
+
+
+def known_keys() -> set[str]:
+    """The option names ``--model_args`` may carry (:func:`~lm_eval_safe.model_args.parse_model_args`
+    folds any other bare item back into ``members``)."""
+    return set(_KNOWN)
 # Keys lm-eval itself passes or that users commonly pass to every backend; accepted, not used.
 _IGNORED = {"max_batch_size_auto", "pretrained", "parallelize"}
 
@@ -409,56 +309,3 @@ def _validate(opts: SafeOptions) -> None:
         resolve_drafter_index(opts.drafter, opts.members)
     if opts.trace_dir is not None and not opts.trace:
         raise OptionError("trace_dir= is where traces go: add trace=true to write them")
-
-
-def member_display_name(spec: str) -> str:
-    """Short, filesystem-safe name of a member spec (alias, folder or file name)."""
-    from pathlib import PurePath
-
-    name = PurePath(spec.rstrip("/")).name or spec
-    for suffix in (".gguf",):
-        if name.endswith(suffix):
-            name = name[: -len(suffix)]
-    return name
-
-
-def resolve_drafter_index(drafter: str | int | None, members: list[str]) -> int:
-    if drafter is None:
-        return 0
-    text = str(drafter).strip()
-    if text.isdigit():
-        index = int(text)
-        if index >= len(members):
-            raise OptionError(
-                f"drafter={drafter} is out of range; there are {len(members)} members"
-            )
-        return index
-    for index, spec in enumerate(members):
-        if text in (spec, member_display_name(spec)):
-            return index
-    names = ", ".join(member_display_name(m) for m in members)
-    raise OptionError(f"drafter={drafter!r} names no member; choose one of: {names} (or an index)")
-
-
-def stable_run_name(model_args: Any) -> str | None:
-    """Folder name for lm-eval's output: members, drafter, schedule and aggregator, not a random id."""
-    try:
-        args = parse_model_args(model_args) if isinstance(model_args, (str, dict)) else {}
-    except OptionError:
-        return None
-    if "members" not in args:
-        return None
-    try:
-        members = split_list(args["members"], "members")
-        drafter = members[resolve_drafter_index(args.get("drafter"), members)]
-    except (OptionError, IndexError):
-        return None
-    names = [member_display_name(m) for m in members]
-    if len(names) == 1:
-        return f"safe-ensemble__{names[0]}"
-    schedule = str(args.get("schedule", "safe")).lower()
-    aggregator = str(args.get("aggregator", "unite")).lower()
-    return (
-        f"safe-ensemble__{'+'.join(names)}__drafter-{member_display_name(drafter)}"
-        f"__{schedule}-{aggregator}"
-    )

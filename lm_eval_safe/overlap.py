@@ -11,7 +11,7 @@ their draws would come from the request's random stream in another order.
 It pays where the forwards can run at once: members on different GPUs (``auto`` turns it on
 there). On a CPU the members share the cores, and on this project's 2-core machine a
 verifier's thread beside the drafter's measured slower than running them in turn
-(BENCHMARKS.md §7), so ``auto`` leaves it off; ``on`` forces it.
+(measured in BENCHMARKS.md), so ``auto`` leaves it off; ``on`` forces it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sampling for SAFE (issue 11): a request's generation kwargs, logits warping, per-request random
+"""Sampling for SAFE: a request's generation kwargs, logits warping, per-request random
 streams and speculative sampling's acceptance rule.
 
 Kept apart from the decoder so that the decoder's loop stays one loop: it asks this module how to
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lm_eval_safe.options import OptionError
+from lm_eval_safe.errors import OptionError
 
 # lm-eval's names for the generation budget, in its priority order (``normalize_gen_kwargs``).
 MAX_TOKEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")

@@ -33,8 +33,8 @@ from typing import IO, Any
 import torch
 
 from lm_eval_safe.aggregate import Choice
+from lm_eval_safe.errors import OptionError
 from lm_eval_safe.members import Member
-from lm_eval_safe.options import OptionError
 from lm_eval_safe.vocabulary import EOS_KEY
 
 logger = logging.getLogger("lm_eval_safe")

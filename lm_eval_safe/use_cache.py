@@ -14,9 +14,10 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from lm_eval_safe.errors import OptionError
 from lm_eval_safe.lm_eval_compat import bos_rule
 from lm_eval_safe.members import Member
-from lm_eval_safe.options import OptionError, SafeOptions
+from lm_eval_safe.options import SafeOptions
 
 logger = logging.getLogger("lm_eval_safe")
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Throughput of batched SAFE generation (issue 7): ``batch_size=N`` against ``batch_size=1``,
+"""Throughput of batched SAFE generation: ``batch_size=N`` against ``batch_size=1``,
 and two data-parallel processes against one.
 
 Why it measures what it does

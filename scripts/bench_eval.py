@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     if vllm and "vllm" not in skip:
         from lm_eval.models.vllm_causallms import VLLM
 
-        from lm_eval_safe.options import parse_model_args
+        from lm_eval_safe.model_args import parse_model_args
 
         on_vllm = models.get("alone") or models["ensemble"]
         settings = {**on_vllm.drafter.engine.settings, **parse_model_args(args.vllm_args)}

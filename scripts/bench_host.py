@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Host work per generated token: wall time minus the time inside the members' forwards, and
-the device-to-host synchronisations the host code asks for (issue 25).
+the device-to-host synchronisations the host code asks for.
 
 Why it measures what it does
 ----------------------------
@@ -29,12 +29,12 @@ Why it measures what it does
 * On a GPU (``--device cuda``) every clock times the device's stream with CUDA events (the host's
   time inside an asynchronous call is its launches only), so *host ms/token* is the device's
   time outside the forwards per token: its idle time plus the few kernels between forwards,
-  the figure the issue asks for, measured rather than estimated. (The columns that subtract
+  the figure that decides whether a GPU stays busy, measured rather than estimated. (The columns that subtract
   the KV moves and heads there also subtract the host's launches inside those functions.)
 
 Example (alone on the machine)::
 
-    .venv/bin/python scripts/bench_host.py --json benchmarks/issue25/host_work.json
+    .venv/bin/python scripts/bench_host.py --json benchmarks/host_work/host_work.json
     python scripts/bench_host.py --device cuda --repeats 5 --json host_work_gpu.json   # a GPU
 """
 

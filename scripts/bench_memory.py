@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Memory of a long generation run (issue 13 §2): RSS after 50, 100 and 200 requests.
+"""Memory of a long generation run: RSS after 50, 100 and 200 requests.
 
 Why it measures what it does
 ----------------------------
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from lm_eval_safe.model import SafeEnsembleLM
-    from lm_eval_safe.options import parse_model_args
+    from lm_eval_safe.model_args import parse_model_args
 
     if args.threads:
         torch.set_num_threads(args.threads)

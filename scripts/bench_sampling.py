@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Sampled SAFE against greedy SAFE on the same prompts (issue 11): E/T, acceptance, how often
+"""Sampled SAFE against greedy SAFE on the same prompts: E/T, acceptance, how often
 the speculative test keeps the drafted string, and tokens/s.
 
 Why it measures what it does

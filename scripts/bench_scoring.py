@@ -4,7 +4,7 @@ once per member, on the same multiple-choice requests with the same batch size.
 
 Why it measures what it does
 ----------------------------
-The goal (issue 4) is that ensemble scoring costs no more than scoring the members one after
+The goal is that ensemble scoring costs no more than scoring the members one after
 another, i.e. ``sum of the members' hf times / ensemble time`` (the *throughput ratio*) stays
 at or above 0.7. The machine is shared and noisy, so:
 

@@ -76,7 +76,7 @@ from lm_eval_safe.bench.speed import (  # noqa: E402
 )
 from lm_eval_safe.bench.speed_report import markdown, modelled, ratios, summarise  # noqa: E402
 from lm_eval_safe.engines import load_member  # noqa: E402
-from lm_eval_safe.options import resolve_drafter_index  # noqa: E402
+from lm_eval_safe.model_args import resolve_drafter_index  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -46,7 +46,7 @@ from lm_eval_safe.leaderboard.configs import (
 from lm_eval_safe.leaderboard.html_report import write_report
 from lm_eval_safe.leaderboard.report import leaderboard_header, markdown_table, plot
 from lm_eval_safe.leaderboard.runner import RunSettings, cell_run_dir, run_all
-from lm_eval_safe.options import member_display_name
+from lm_eval_safe.model_args import member_display_name
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA_DIR = REPO_ROOT.parent / "shared" / "data"

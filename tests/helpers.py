@@ -48,7 +48,7 @@ def parse_lm_eval_command(argv: list[str]) -> dict[str, Any]:
     backend's parser, gen_kwargs and tasks by lm-eval's."""
     import importlib.util
 
-    from lm_eval_safe.options import parse_model_args
+    from lm_eval_safe.model_args import parse_model_args
 
     if importlib.util.find_spec("lm_eval._cli") is not None:
         from lm_eval._cli import HarnessCLI

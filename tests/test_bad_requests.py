@@ -1,4 +1,4 @@
-"""Odd inputs fail before work is wasted (issue 13 §1-§3): requests that cannot run are found
+"""Odd inputs fail before work is wasted: requests that cannot run are found
 before the first forward of a run and named by document; a corrupt GGUF names its member; a
 run whose responses are mostly empty says why, once."""
 
@@ -15,7 +15,7 @@ from helpers import gen_request, make_lm, random_prompts
 from lm_eval.api.instance import Instance
 
 from lm_eval_safe import model as model_module
-from lm_eval_safe.options import OptionError
+from lm_eval_safe.errors import OptionError
 
 
 def _doc_request(context: str, doc_id: int, **gen_kwargs: Any) -> Instance:

@@ -1,4 +1,4 @@
-"""Batched SAFE generation (issue 7): a shared KV cache with per-row rollback, and ``batch_size=N``
+"""Batched SAFE generation: a shared KV cache with per-row rollback, and ``batch_size=N``
 giving exactly the text of ``batch_size=1``.
 
 References are independent of the code under test: a full forward of each row's whole sequence

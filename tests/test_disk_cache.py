@@ -1,4 +1,4 @@
-"""Crash-safe caches (issue 13 §2): the converted-weights and union-vocabulary caches survive a
+"""Crash-safe caches: the converted-weights and union-vocabulary caches survive a
 kill mid-write, two processes building the same entry at once, and damaged files.
 
 GGUF conversion itself is replaced by loading a tiny checkpoint (no tiny GGUF exists), so the

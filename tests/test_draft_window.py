@@ -1,4 +1,4 @@
-"""``draft_len=auto`` (issue 12, lever 3): the window adapts, and everything that must not
+"""``draft_len=auto``: the window adapts, and everything that must not
 depend on the window still does not."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from helpers import gen_request, hf_greedy_text, make_lm, random_prompts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lm_eval_safe.draft_window import DraftWindow
-from lm_eval_safe.options import OptionError, parse_options
+from lm_eval_safe.errors import OptionError
+from lm_eval_safe.options import parse_options
 
 
 def test_window_grows_after_kept_cycles_and_shrinks_after_replacements() -> None:

@@ -91,7 +91,7 @@ def test_empty_prompt_is_one_line_error(bpe_single) -> None:
 
 
 def test_sampling_request_is_sampled_and_unsupported_options_refused(bpe_single) -> None:
-    """Issue 11: do_sample=True is decoded by sampling (tests/test_sampling.py checks how); an
+    """do_sample=True is decoded by sampling (tests/test_sampling.py checks how); an
     option that would change the output and that we cannot honour is still refused, never
     silently dropped."""
     (text,) = bpe_single.generate_until(

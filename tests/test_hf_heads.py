@@ -1,4 +1,4 @@
-"""The transformers engine's read-back (issue 25): heads cut on the device from the full
+"""The transformers engine's read-back: heads cut on the device from the full
 log-softmax, token-only drafting, and the benchmark's instruments.
 
 References are brute force on the same tensors: ``torch.log_softmax`` of the row and
@@ -157,7 +157,8 @@ def test_host_reads_at_most_one_per_batch_step(tiny_bpe_dir: Path, tiny_sp_dir: 
 
 
 def test_the_counter_sees_reads_of_weights_only(tiny_bpe_dir: Path) -> None:
-    from lm_eval_safe.bench.host_work import ForwardClock, SyncCounter
+    from lm_eval_safe.bench.clocks import ForwardClock
+    from lm_eval_safe.bench.host_work import SyncCounter
 
     m = load_member(str(tiny_bpe_dir))
     clock = ForwardClock([m])

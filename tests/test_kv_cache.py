@@ -19,7 +19,7 @@ from helpers import WORDS, completed_rows
 
 from lm_eval_safe.engines import load_member
 from lm_eval_safe.engines.base import Forward
-from lm_eval_safe.engines.hf import kv_cache
+from lm_eval_safe.engines.hf import kv_cache, model_calls, packed_slots
 from lm_eval_safe.engines.hf.batch import MemberBatch
 from lm_eval_safe.engines.hf.scoring import score_tokens
 
@@ -129,7 +129,7 @@ def test_row_operations_equal_tensor_indexing() -> None:
     picked = kv_cache.layer_states(kv_cache.select_rows(cache, [2, 0, 2]))
     for (k, v), (pk, pv) in zip(states, picked, strict=True):
         assert torch.equal(pk, k[[2, 0, 2]]) and torch.equal(pv, v[[2, 0, 2]])
-    rows = kv_cache.pack_row_slots(cache, 1, 1, 4)
+    rows = packed_slots.pack_row_slots(cache, 1, 1, 4)
     for (k, v), (rk, rv) in zip(states, rows.layers(), strict=True):
         assert torch.equal(rk, k[1:2, :, 1:4]) and torch.equal(rv, v[1:2, :, 1:4])
     kv_cache.crop(cache, 2)
@@ -147,12 +147,12 @@ def test_packed_slots_copy_every_layer_and_join_along_the_slots() -> None:
     states = [(torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen)) for shape in shapes]
     cache = kv_cache.new_cache([states[0], None, states[1], states[2]])
     before = [(k.clone(), v.clone()) for k, v in states]
-    first, second = kv_cache.pack_row_slots(cache, 1, 0, 2), kv_cache.pack_row_slots(cache, 1, 2, 5)
+    first, second = packed_slots.pack_row_slots(cache, 1, 0, 2), packed_slots.pack_row_slots(cache, 1, 2, 5)
     assert len(first.packs) == 2 and first.layers()[1] is None
     assert first.nbytes == sum(k[1:2, :, :2].numel() * 8 for k, _ in before)
     for k, v in kv_cache.layer_states(cache)[::2] + kv_cache.layer_states(cache)[3:]:
         k.zero_(), v.zero_()
-    joined = kv_cache.concat_slots([first, second])
+    joined = packed_slots.concat_slots([first, second])
     assert joined[1] is None
     for (k, v), got in zip(before, [joined[0], joined[2], joined[3]], strict=True):
         assert torch.equal(got[0], k[1:2, :, :5]) and torch.equal(got[1], v[1:2, :, :5])
@@ -183,14 +183,14 @@ def test_a_rows_view_forward_equals_the_rows_copied_out_and_back(
     batch = kv_cache.new_cache()
     with torch.inference_mode():
         ids = torch.tensor([[rng.randrange(len(member.vocab)) for _ in range(prompt)] for _ in range(rows)])
-        kv_cache.run(model, batch, input_ids=ids)
+        model_calls.run(model, batch, input_ids=ids)
         kv_cache.with_slots(batch, spare=2)  # the new slots outgrow the spare ones
         before = [(k.clone(), v.clone()) for k, v in kv_cache.layer_states(batch)]  # type: ignore[misc]
         chosen = [1, 3]
         copied = kv_cache.select_rows(batch, chosen)
         new_ids = torch.tensor([[rng.randrange(len(member.vocab)) for _ in range(width)] for _ in chosen])
-        want = kv_cache.run(model, copied, input_ids=new_ids).logits
-        got = kv_cache.run(model, kv_cache.rows_view(batch, chosen), input_ids=new_ids).logits
+        want = model_calls.run(model, copied, input_ids=new_ids).logits
+        got = model_calls.run(model, kv_cache.rows_view(batch, chosen), input_ids=new_ids).logits
     assert torch.equal(want, got)
     for (k, v), (bk, bv), (ck, cv) in zip(
         kv_cache.layer_states(batch), before, kv_cache.layer_states(copied), strict=True
@@ -234,10 +234,10 @@ def test_cache_keyword_comes_from_the_forward_signature() -> None:
             return None
 
     marker = object()
-    assert kv_cache.run(Renamed(), marker, input_ids=None) is marker
-    assert kv_cache.run(Legacy(), marker, input_ids=None) is marker
+    assert model_calls.run(Renamed(), marker, input_ids=None) is marker
+    assert model_calls.run(Legacy(), marker, input_ids=None) is marker
     with pytest.raises(kv_cache.UnsupportedModelError, match="neither cache= nor past_key_values="):
-        kv_cache.run(Neither(), marker, input_ids=None)
+        model_calls.run(Neither(), marker, input_ids=None)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma"])
@@ -253,8 +253,8 @@ def test_slot_layers_give_the_cat_caches_logits_bitwise(
     ids = [rng.randrange(len(member.vocab)) for _ in range(12)]
     plain, slots = kv_cache.new_cache(), kv_cache.new_cache()
     with torch.inference_mode():
-        first = kv_cache.run(model, plain, input_ids=torch.tensor([ids])).logits
-        assert torch.equal(first, kv_cache.run(model, slots, input_ids=torch.tensor([ids])).logits)
+        first = model_calls.run(model, plain, input_ids=torch.tensor([ids])).logits
+        assert torch.equal(first, model_calls.run(model, slots, input_ids=torch.tensor([ids])).logits)
         kv_cache.with_slots(slots, spare=2)
         assert all(type(layer) is kv_cache.SlotLayer for layer in slots.layers)
         for step in range(7):  # past the 2 spare slots: the buffers are re-allocated
@@ -262,8 +262,8 @@ def test_slot_layers_give_the_cat_caches_logits_bitwise(
                 kv_cache.crop(plain, 10)
                 kv_cache.crop(slots, 10)
             token = torch.tensor([[rng.randrange(len(member.vocab))]])
-            want = kv_cache.run(model, plain, input_ids=token).logits
-            got = kv_cache.run(model, slots, input_ids=token).logits
+            want = model_calls.run(model, plain, input_ids=token).logits
+            got = model_calls.run(model, slots, input_ids=token).logits
             assert torch.equal(want, got), step
             assert kv_cache.seq_length(plain) == kv_cache.seq_length(slots)
     for mine, theirs in zip(kv_cache.layer_states(slots), kv_cache.layer_states(plain), strict=True):

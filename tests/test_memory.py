@@ -1,4 +1,4 @@
-"""Memory stays flat over a long run (issue 13 §2): 200 generate requests of 256 tokens on the
+"""Memory stays flat over a long run: 200 generate requests of 256 tokens on the
 tiny members, in one ``generate_until`` call as lm-eval makes it, sampled with the probe of
 ``lm_eval_safe.bench.memory`` that ``scripts/bench_memory.py`` uses on the real members."""
 

@@ -7,8 +7,10 @@ import sys
 
 import pytest
 
+from lm_eval_safe.errors import OptionError
 from lm_eval_safe.model import SafeEnsembleLM
-from lm_eval_safe.options import OptionError, parse_model_args, parse_options, stable_run_name
+from lm_eval_safe.model_args import parse_model_args, stable_run_name
+from lm_eval_safe.options import parse_options
 
 GRAMMAR = [
     ("members=a,b", {"members": "a,b"}),
@@ -157,7 +159,7 @@ def test_seed_option() -> None:
 
 
 def test_drafter_by_name_and_index() -> None:
-    from lm_eval_safe.options import resolve_drafter_index
+    from lm_eval_safe.model_args import resolve_drafter_index
 
     assert resolve_drafter_index("b", ["x/a", "x/b"]) == 1
     assert resolve_drafter_index("1", ["a", "b"]) == 1

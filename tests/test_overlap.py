@@ -1,5 +1,5 @@
 """Verification beside the next draft (``overlap=``), forward counts and the depth model, and
-verifier positions fed once (issue 18).
+verifier positions fed once.
 
 References: ``overlap=off`` (itself tested against transformers' ``generate`` and brute force
 elsewhere) for the texts; forwards counted at ``MemberBatch.forward`` for the forward counts; hand
@@ -15,8 +15,9 @@ from helpers import SCHEDULES, gen_request, make_lm, random_prompts
 
 from lm_eval_safe import batch_driver
 from lm_eval_safe.engines.hf import batch as hf_batch
+from lm_eval_safe.errors import OptionError
 from lm_eval_safe.latency import CycleForwards, forward_depth
-from lm_eval_safe.options import OptionError, parse_options
+from lm_eval_safe.options import parse_options
 from lm_eval_safe.overlap import overlap_enabled
 
 # what overlap changes: forwards drafted ahead, so engine calls too, and the times

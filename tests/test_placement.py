@@ -17,8 +17,8 @@ import torch
 from helpers import ll_request, make_lm
 
 from lm_eval_safe.engines.hf.placement import Placement, plan_placement, resolve_device
+from lm_eval_safe.errors import OptionError
 from lm_eval_safe.model import SafeEnsembleLM
-from lm_eval_safe.options import OptionError
 
 REPO = Path(__file__).resolve().parents[1]
 MEMBERS = ["org/a", "/models/b"]

@@ -1,4 +1,4 @@
-"""Shared-prefix KV reuse across requests (issue 12): outputs never depend on the store.
+"""Shared-prefix KV reuse across requests: outputs never depend on the store.
 
 References are independent of the store: the same requests run with ``prefix_cache_mb=0``
 (every prompt prefilled from scratch), and for the store's own bookkeeping a brute-force
@@ -202,7 +202,7 @@ def test_safe_stats_report_prefill_tokens_saved(tiny_bpe_dir: Path, tiny_sp_dir:
 
 
 def test_bad_budget_fails_in_one_line(tiny_bpe_dir: Path, tiny_sp_dir: Path) -> None:
-    from lm_eval_safe.options import OptionError
+    from lm_eval_safe.errors import OptionError
 
     with pytest.raises(OptionError, match="prefix_cache_mb"):
         make_lm(tiny_bpe_dir, tiny_sp_dir, prefix_cache_mb=-1)

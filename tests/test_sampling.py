@@ -1,4 +1,4 @@
-"""Sampling (issue 11) against independent references: transformers' logits processors and
+"""Sampling against independent references: transformers' logits processors and
 ``generate(do_sample=True)``, the ensemble's distribution computed by brute force from the tiny
 models' full next-token distributions, and the greedy decoder for ``temperature=0``.
 
@@ -29,7 +29,7 @@ from transformers.generation.logits_process import (
 
 from lm_eval_safe.aggregate import Choice
 from lm_eval_safe.ensembling import Ensembler
-from lm_eval_safe.options import OptionError, RequestError
+from lm_eval_safe.errors import OptionError, RequestError
 from lm_eval_safe.sampling import (
     RowSampler,
     SamplingParams,

@@ -1,4 +1,4 @@
-"""Small-row linears (issue 12, lever 0): same numbers as ``F.linear`` up to rounding, active
+"""Small-row linears: same numbers as ``F.linear`` up to rounding, active
 only inside the decoder's and scorer's forwards, choices timed once and cached per machine."""
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def test_measure_rows_picks_only_clear_wins(monkeypatch) -> None:
 
 
 def test_bad_mode_fails_in_one_line(tiny_bpe_dir: Path, tiny_sp_dir: Path) -> None:
-    from lm_eval_safe.options import OptionError
+    from lm_eval_safe.errors import OptionError
 
     with pytest.raises(OptionError, match="fast_small_linear"):
         make_lm(tiny_bpe_dir, tiny_sp_dir, fast_small_linear="fast")

@@ -11,7 +11,7 @@ from helpers import evaluate_gsm8k, make_lm, random_prompts, write_gsm8k
 from lm_eval.api.instance import Instance
 
 from lm_eval_safe import tracing
-from lm_eval_safe.options import OptionError
+from lm_eval_safe.errors import OptionError
 
 
 def _request(context: str, doc_id: int, **gen_kwargs: object) -> Instance:

@@ -1,4 +1,4 @@
-"""lm-eval's ``--use_cache`` with safe-ensemble (issue 13 §2): nothing lost, nothing mixed.
+"""lm-eval's ``--use_cache`` with safe-ensemble: nothing lost, nothing mixed.
 
 lm-eval keys cached responses by the request alone; the backend gives each configuration (member
 set and output-changing options) its own table in the user's file. These tests run lm-eval

@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import SCHEDULES, as_full, gen_request, ll_request, make_lm, random_prompts
 
-from lm_eval_safe.options import OptionError
+from lm_eval_safe.errors import OptionError
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("vllm_installed")]
 

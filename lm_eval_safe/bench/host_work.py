@@ -5,7 +5,7 @@ between them does not, so the figure that decides whether a device stays busy is
 minus the time inside the members' forwards*, per generated token. Two instruments measure it
 on any machine:
 
-- :class:`ForwardClock`: forward hooks on each transformers member's model, its decoder body
+- :class:`~lm_eval_safe.bench.clocks.ForwardClock`: forward hooks on each transformers member's model, its decoder body
   and its output layer; the outermost of them is timed, so a forward that runs the body and
   then the head (the batch's path) counts both once, and a whole-model forward counts once.
 - :class:`SyncCounter`: the device-to-host synchronisations the host code asks for. Every
@@ -20,24 +20,22 @@ on any machine:
 from __future__ import annotations
 
 import re
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from lm_eval_safe.bench.clocks import CACHE_MOVES, HEADS_WORK, ForwardClock, FunctionClock
 from lm_eval_safe.decoding import GenerationJob, SafeDecoder
-from lm_eval_safe.engines.hf import heads, kv_cache
 from lm_eval_safe.members import Member
 
-#: configuration -> SafeDecoder options (the issue's three)
+#: configuration -> SafeDecoder options (the drafter alone and SAFE with each aggregator)
 CONFIGURATIONS: dict[str, dict[str, Any]] = {
     "drafter": {"schedule": "drafter"},
     "unite_safe": {"schedule": "safe", "aggregator": "unite"},
@@ -58,177 +56,6 @@ _READS = {
     torch.Tensor.__float__,
     torch.Tensor.__index__,
 }
-
-
-class _Depth(threading.local):
-    """A thread's nesting of member forwards (verifiers may run on threads of their own)."""
-
-    depth = 0
-    start: Any = 0.0
-
-
-class Stopwatch:
-    """Summed intervals of the members' device's time. A CPU runs the work in line, so the host
-    clock is its time; a GPU runs it asynchronously (the host's time inside a call is only its
-    launches), so each interval is a pair of CUDA events on the device's stream: from when the
-    device reaches the first (after the work queued before it) to when it has run the call's
-    last kernel. Either way, wall time less these intervals is the device's time outside them.
-    Event pairs are read at :attr:`seconds`, which waits for the device once."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = torch.device(device)
-        self.on_gpu = self.device.type == "cuda"
-        self._seconds = 0.0
-        self._pairs: list[tuple[Any, Any]] = []
-
-    def mark(self) -> Any:
-        if not self.on_gpu:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    def add(self, start: Any) -> None:
-        """The interval from ``start`` (a :meth:`mark`) to now."""
-        if not self.on_gpu:
-            self._seconds += time.perf_counter() - start
-            return
-        self._pairs.append((start, self.mark()))  # list.append: safe from verifier threads
-
-    def settle(self) -> None:
-        """Wait for the device's queued work (the end of a timed run on a GPU)."""
-        if self.on_gpu:
-            torch.cuda.synchronize(self.device)
-
-    @property
-    def seconds(self) -> float:
-        if self._pairs:
-            self.settle()
-            pairs, self._pairs = self._pairs, []
-            self._seconds += sum(start.elapsed_time(end) for start, end in pairs) / 1e3
-        return self._seconds
-
-
-def members_device(members: Sequence[Member]) -> torch.device:
-    """The one device every member computes on; the clocks time one device's stream."""
-    devices = {str(member.engine.input_device) for member in members}
-    if len(devices) != 1:
-        raise ValueError(f"members on {sorted(devices)}: time host work with every member on one device")
-    return torch.device(devices.pop())
-
-
-class ForwardClock:
-    """Seconds spent inside the members' forwards (outermost module call counted once): the
-    model, its decoder body, its output layer, and the batch's output logits
-    (``kv_cache.output_logits``: the output layer and Gemma's soft-capping after it, which
-    the whole model's forward computes inside itself)."""
-
-    def __init__(self, members: Sequence[Member]):
-        self.watch = Stopwatch(members_device(members))
-        self.forwards: Counter[str] = Counter()  # per member: its batch steps and prefills
-        self._local = _Depth()
-        self._handles: list[Any] = []
-        for member in members:
-            model = member.engine.model
-            leave = partial(self._leave, member.name)
-            for module in {model, kv_cache.decoder(model), model.get_output_embeddings()}:
-                self._handles.append(module.register_forward_pre_hook(self._enter))
-                self._handles.append(module.register_forward_hook(leave))
-        self._output_logits = kv_cache.output_logits
-        kv_cache.output_logits = self._timed_output_logits
-
-    def _timed_output_logits(self, model: Any, hidden: torch.Tensor) -> torch.Tensor:
-        self._enter(model, None)
-        try:
-            return self._output_logits(model, hidden)
-        finally:
-            self._local.depth = self.depth - 1
-            if self.depth == 0:
-                self.watch.add(self._local.start)
-
-    @property
-    def seconds(self) -> float:
-        return self.watch.seconds
-
-    @property
-    def depth(self) -> int:
-        return self._local.depth
-
-    def _enter(self, _module: Any, _args: Any) -> None:
-        if self.depth == 0:
-            self._local.start = self.watch.mark()
-        self._local.depth = self.depth + 1
-
-    def _leave(self, name: str, _module: Any, _args: Any, _out: Any) -> None:
-        self._local.depth = self.depth - 1
-        if self.depth == 0:
-            self.watch.add(self._local.start)
-            self.forwards[name] += 1
-
-    def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        kv_cache.output_logits = self._output_logits
-
-
-#: The KV-cache operations the transformers batch runs between forwards: rows added, dropped,
-#: spliced in, cropped, compacted, selected for scoring. Device work (on a GPU they run
-#: asynchronously, with no host wait); timed apart so the Python share of the host time shows.
-CACHE_MOVES = (
-    "with_slots",
-    "add_rows",
-    "keep_rows",
-    "widen_left",
-    "gather_slots",
-    "select_rows",
-    "write_row",
-    "crop",
-    "concat_slots",
-    "new_cache",
-    "pack_row_slots",
-)
-
-#: The heads cut from the forwards' logits (log-softmax, argmax, top-k over a vocabulary), read
-#: back and unpacked, and the wider heads and full rows asked for later: device work mostly,
-#: timed apart likewise (the read-back and the unpacking, host work, go with it: a few
-#: microseconds a position).
-HEADS_WORK = ("read_heads", "cut_heads", "read_cuts", "wider_heads", "full_rows")
-
-
-class FunctionClock:
-    """Seconds inside the named functions of a module (outermost call once), while installed
-    (callers reach them through the module: ``kv_cache.crop``, ``heads.cut_heads``)."""
-
-    def __init__(self, module: Any, names: Sequence[str], device: torch.device) -> None:
-        self.watch = Stopwatch(device)
-        self.module = module
-        self._local = _Depth()
-        self._saved = {name: getattr(module, name) for name in names}
-        for name, function in self._saved.items():
-            setattr(module, name, self._timed(function))
-
-    def _timed(self, function: Any) -> Any:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            local = self._local
-            if local.depth:
-                return function(*args, **kwargs)
-            local.depth, start = 1, self.watch.mark()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                local.depth = 0
-                self.watch.add(start)
-
-        return timed
-
-    @property
-    def seconds(self) -> float:
-        return self.watch.seconds
-
-    def close(self) -> None:
-        for name, function in self._saved.items():
-            setattr(self.module, name, function)
 
 
 class SyncCounter(TorchFunctionMode):
@@ -426,8 +253,8 @@ def measure(
     for member in members:
         member.engine.forget_prefixes()
     clock = ForwardClock(members)
-    moves = FunctionClock(kv_cache, CACHE_MOVES, clock.watch.device)
-    cutting = FunctionClock(heads, HEADS_WORK, clock.watch.device)
+    moves = FunctionClock(CACHE_MOVES, clock.watch.device)
+    cutting = FunctionClock(HEADS_WORK, clock.watch.device)
     try:
         with _engine_calls(members, work.engine_calls):
             clock.watch.settle()

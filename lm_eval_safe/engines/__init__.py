@@ -33,6 +33,51 @@ def load_member(spec: str, *, engine: str = "hf", **settings: Any) -> Any:
     return load_hf_member(spec, **settings)
 
 
+def load_members(opts: Any, placements: Sequence[Any], rank: int, world_size: int) -> list[Any]:
+    """Every member of ``opts`` on its engine and placement. Every GGUF file, and vLLM's
+    installation and arguments, are checked before the first member loads (that takes
+    minutes)."""
+    import os
+
+    from lm_eval_safe.members import check_gguf_file, resolve_source
+
+    for spec in opts.members:
+        source = resolve_source(spec, opts.cache_dir)
+        if source.kind == "gguf":
+            check_gguf_file(source)
+    engines = opts.member_engines()
+    vllm_plans: Iterator[dict[str, Any]] = iter(())
+    if "vllm" in engines:
+        from lm_eval_safe.engines.vllm.loading import plan_vllm_members
+
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        vllm_plans = iter(plan_vllm_members(opts, placements, world_size, local_rank))
+    common = {
+        "dtype": opts.dtype,
+        "trust_remote_code": opts.trust_remote_code,
+        "cache_dir": opts.cache_dir,
+        "max_length": opts.max_length,
+        "add_bos_token": opts.add_bos_token,
+    }
+    members = []
+    for i, spec in enumerate(opts.members):
+        if engines[i] == "vllm":
+            member = load_member(spec, engine="vllm", index=i, **common, **next(vllm_plans))
+        else:
+            member = load_member(
+                spec,
+                index=i,
+                device=placements[i].device,
+                device_map=placements[i].device_map,
+                fast_small_linear=opts.fast_small_linear,
+                prefix_cache_mb=opts.prefix_cache_mb,
+                top_logprobs=opts.top_logprobs,
+                **common,
+            )
+        members.append(member)
+    return members
+
+
 @contextmanager
 def engines_active(members: Iterable[Any]) -> Iterator[None]:
     """Every member's engine settings active for the calls run inside this block (the

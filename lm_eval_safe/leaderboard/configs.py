@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lm_eval_safe.options import member_display_name
+from lm_eval_safe.model_args import member_display_name
 
 DEFAULT_TASKS = ("safe_gsm8k", "safe_math500", "safe_bbh_paper")
 

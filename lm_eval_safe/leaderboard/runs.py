@@ -20,7 +20,7 @@ from typing import Any
 
 from lm_eval_safe.leaderboard.configs import ALONE_PREFIX, ENSEMBLE_CONFIGS
 from lm_eval_safe.leaderboard.result_cache import Outcome, pick_metric, sample_count
-from lm_eval_safe.options import member_display_name, parse_model_args
+from lm_eval_safe.model_args import member_display_name, parse_model_args
 
 #: lm-eval's names of its transformers backend (registry names, and the class passed as an object)
 HF_MODELS = ("hf", "hf-auto", "huggingface", "HFLM")

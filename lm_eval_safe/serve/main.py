@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    from lm_eval_safe.options import OptionError
+    from lm_eval_safe.errors import OptionError
 
     try:
         app = build(args.model_args, args.served_model_name, api_key, args.max_request_bytes, args.log_prompts)
@@ -126,7 +126,7 @@ def build(
     """The ensemble loaded and wrapped in its ASGI app (FastAPI behind the gate)."""
     from lm_eval_safe.loglikelihood import score_segments
     from lm_eval_safe.model import SafeEnsembleLM
-    from lm_eval_safe.options import parse_model_args
+    from lm_eval_safe.model_args import parse_model_args
     from lm_eval_safe.serve.app import ServerState, build_app
     from lm_eval_safe.serve.gate import Gate
     from lm_eval_safe.serve.metrics import Metrics

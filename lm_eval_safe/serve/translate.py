@@ -19,9 +19,9 @@ import secrets
 from dataclasses import dataclass
 
 from lm_eval_safe.decoding import GenerationJob, SafeDecoder
+from lm_eval_safe.errors import OptionError
 from lm_eval_safe.generation_requests import JobBuilder
 from lm_eval_safe.members import Member, chat_context
-from lm_eval_safe.options import OptionError
 from lm_eval_safe.sampling import parse_gen_kwargs
 from lm_eval_safe.serve.protocol import (
     APIError,

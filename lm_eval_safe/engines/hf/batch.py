@@ -1,4 +1,4 @@
-"""Batched forwards for SAFE: one member's KV cache shared by many requests (issue 7).
+"""Batched forwards for SAFE: one member's KV cache shared by many requests.
 
 SAFE rolls each request back on its own (the drafter after a rejection, a verifier when its
 re-tokenization changes the last tokens), so rows of a batch never have one common length.
@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from lm_eval_safe.engines.base import Call, Complete, Draft, Drafted, EngineBatch, Forward, Row
-from lm_eval_safe.engines.hf import heads, kv_cache
+from lm_eval_safe.engines.base import Call, Complete, Draft, EngineBatch, Forward, Row
+from lm_eval_safe.engines.hf import drafting, heads, kv_cache, model_calls
+from lm_eval_safe.engines.hf.drafting import DraftStep
 from lm_eval_safe.engines.hf.forward import forward_logits, vocab_logits
-from lm_eval_safe.engines.hf.heads import CutHeads, Want
+from lm_eval_safe.engines.hf.heads import Want
 from lm_eval_safe.members import Member
 
 logger = logging.getLogger(__name__)
@@ -36,17 +36,6 @@ _COMPACT_SLACK = 48
 # Spare slots a batch's cache is given when it is made (kv_cache.SlotLayer): a generation's
 # forwards then write into them instead of copying the cache on every step.
 _SPARE_SLOTS = 64
-
-
-@dataclass
-class _DraftStep(Forward):
-    """One token of ``draft``: read back as the argmax (greedy), with its head when the draft
-    reads rows, or as the full row its sampler draws from. ``fed``: the one id fed is the
-    previous step's token at this index of its tokens on the device (``ids`` holds a
-    placeholder: the token was never read back)."""
-
-    draft: Draft | None = None
-    fed: int | None = None
 
 
 class MemberBatch(EngineBatch):
@@ -121,9 +110,9 @@ class MemberBatch(EngineBatch):
         if completes:
             results.update(self._complete(completes))
         if forwards:
-            results.update(self._answered(forwards))
+            results.update(self.answered(forwards))
         if drafts:
-            results.update(self._draft(drafts))
+            results.update(drafting.draft(self, drafts))
         return results
 
     def _complete(self, calls: dict[int, Complete]) -> dict[int, list[Any]]:
@@ -140,79 +129,8 @@ class MemberBatch(EngineBatch):
             results.update({row: [next(answered) for _ in call.rows] for row, call in group.items()})
         return results
 
-    def _draft(self, calls: dict[int, Draft]) -> dict[int, Drafted]:
-        """Each row's draft as single-token forwards: the first feeds the call's ids, each later
-        one the token drafted before it; a row leaves the batch after its ``n``-th token or a
-        stop id. Greedy rows take the argmax (their rows are heads of one id, the decoder asks
-        for more where it needs them; none at all when the call reads tokens only), sampled
-        ones their sampler's draw from the full row.
-
-        Each step's tokens are read back before the next step (a stop id saves the forwards
-        after it), unless the engine keeps drafts on the device (:attr:`~.HFEngine.
-        resident_drafts`, a GPU): then greedy windows run as :meth:`_draft_on_device`."""
-        if self.member.engine.resident_drafts and all(c.sampler is None for c in calls.values()):
-            return self._draft_on_device(calls)
-        drafted = {row: Drafted([], []) for row in calls}
-        steps = {row: _DraftStep(c.member, c.keep, c.ids, [len(c.ids) - 1], c) for row, c in calls.items()}
-        while steps:
-            answers = self._answered(steps)
-            following = {}
-            for row, step in steps.items():
-                call, out = calls[row], drafted[row]
-                (answer,) = answers[row]
-                if isinstance(answer, int):  # tokens only
-                    token = answer
-                else:
-                    token = answer.argmax if call.sampler is None else call.sampler.sample(answer)
-                    out.rows.append(answer)
-                out.tokens.append(token)
-                if len(out.tokens) < call.n and token not in call.stop_ids:
-                    following[row] = _DraftStep(step.member, step.keep + len(step.ids), [token], [0], call)
-            steps = following
-        return drafted
-
-    def _draft_on_device(self, calls: dict[int, Draft]) -> dict[int, Drafted]:
-        """Greedy drafts with one read-back per window: each step feeds the argmax the step
-        before it left on the device (:attr:`~.heads.CutHeads.tokens`), so a GPU's host queues
-        the whole window without waiting for it, and the window's heads come back in one copy
-        at its end (:func:`~.heads.read_cuts`). A row drafts its ``n`` tokens whatever they
-        are; the tokens after its first stop id are dropped from the answer (the next call's
-        ``keep`` crops them from the cache; at batch size one they cost up to ``n - 1`` extra
-        forwards once a request, where reading every token cost a wait on every one)."""
-        steps = {row: _DraftStep(c.member, c.keep, c.ids, [len(c.ids) - 1], c) for row, c in calls.items()}
-        drawn = dict.fromkeys(calls, 0)
-        window: list[tuple[CutHeads, list[list[int]]]] = []
-        fed: torch.Tensor | None = None
-        while steps:
-            parts, owners = self.forward(steps, fed)
-            cut = heads.cut_heads(parts, exact_tokens=True)
-            window.append((cut, owners))
-            position = {row: i for i, row in enumerate(row for part in owners for row in part)}
-            following = {}
-            for row, step in steps.items():
-                drawn[row] += 1
-                if drawn[row] < calls[row].n:
-                    pad = [step.ids[-1]]  # a placeholder: the fed id is on the device
-                    following[row] = _DraftStep(
-                        step.member, step.keep + len(step.ids), pad, [0], calls[row], position[row]
-                    )
-            fed, steps = cut.tokens, following
-        drafted = {row: Drafted([], []) for row in calls}
-        for (_, owners), answers in zip(window, heads.read_cuts([cut for cut, _ in window]), strict=True):
-            for rows, part_owners in zip(answers, owners, strict=True):
-                for answer, row in zip(rows, part_owners, strict=True):
-                    out = drafted[row]
-                    if out.tokens and out.tokens[-1] in calls[row].stop_ids:
-                        continue  # drafted past a stop id
-                    if isinstance(answer, int):  # tokens only
-                        out.tokens.append(answer)
-                    else:
-                        out.tokens.append(answer.argmax)
-                        out.rows.append(answer)
-        return drafted
-
     # -- forwards ------------------------------------------------------------------------
-    def _answered(self, calls: dict[int, Forward]) -> dict[int, list[Any]]:
+    def answered(self, calls: dict[int, Forward]) -> dict[int, list[Any]]:
         """The rows' forwards (:meth:`forward`), each row's answered positions read back from
         the device in one copy (:func:`~.heads.read_heads`): rows, or a draft step's token id
         when its call reads tokens only."""
@@ -230,7 +148,7 @@ class MemberBatch(EngineBatch):
         holds the inference mode): fresh rows (``keep == 0``) are prefilled alone and spliced
         in, the others share one batched forward. Nothing is read back: each part's logits (on
         the device) with what its positions are wanted as, and the row of each position.
-        ``fed``: the tokens a :class:`_DraftStep` with ``fed`` feeds from (on the device)."""
+        ``fed``: the tokens a :class:`DraftStep` with ``fed`` feeds from (on the device)."""
         parts: list[tuple[torch.Tensor, list[Want]]] = []
         owners: list[list[int]] = []  # per part: the row of each of its positions
         batched: dict[int, Forward] = {}
@@ -254,7 +172,7 @@ class MemberBatch(EngineBatch):
         """What each answered position is read back as: a draft step's token (the argmax) or
         the full row its sampler draws from; a verifier position's head of ``top_logprobs`` ids
         and its log-prob of the next id fed (its own next token, which SAFE's consensus reads)."""
-        if isinstance(call, _DraftStep) and call.draft is not None:
+        if isinstance(call, DraftStep) and call.draft is not None:
             draft = call.draft
             want = Want(full=True) if draft.sampler is not None else Want(top=int(draft.rows))
             return [want for _ in call.want]
@@ -346,7 +264,7 @@ class MemberBatch(EngineBatch):
             ids_table[row][:n] = call.ids
             positions_table[row][:n] = range(self.lengths[row], self.lengths[row] + n)
         input_ids = torch.tensor(ids_table, dtype=torch.long).to(device)
-        on_device = {row: c.fed for row, c in calls.items() if isinstance(c, _DraftStep) and c.fed is not None}
+        on_device = {row: c.fed for row, c in calls.items() if isinstance(c, DraftStep) and c.fed is not None}
         if on_device:
             assert fed is not None
             rows_fed = torch.tensor(list(on_device), dtype=torch.long, device=device)
@@ -362,11 +280,11 @@ class MemberBatch(EngineBatch):
         local = {row: i for i, row in enumerate(rows)} if subset else {r: r for r in calls}
         cache = kv_cache.rows_view(self.cache, rows) if subset else self.cache
         pick = torch.tensor(rows) if subset else slice(None)
-        out = kv_cache.run(
-            kv_cache.decoder(member.engine.model),
+        out = model_calls.run(
+            model_calls.decoder(member.engine.model),
             cache,
             input_ids=input_ids[pick],
-            attention_mask=kv_cache.attention_mask(
+            attention_mask=model_calls.attention_mask(
                 member.engine.model, key_pos[pick], query_pos[pick], device
             ),
             position_ids=query_pos[pick].clamp_min(0).to(device),
@@ -384,7 +302,7 @@ class MemberBatch(EngineBatch):
 
     def _forward_plain(self, row: int, call: Forward, fed: torch.Tensor | None) -> torch.Tensor:
         """A lone, hole-free row: exactly the unbatched forward (no mask, no padding)."""
-        if isinstance(call, _DraftStep) and call.fed is not None:
+        if isinstance(call, DraftStep) and call.fed is not None:
             assert fed is not None
             ids: list[int] | torch.Tensor = fed[call.fed : call.fed + 1][None]
             if ids.device != self.member.engine.input_device:
@@ -404,11 +322,11 @@ class MemberBatch(EngineBatch):
         for every row, which would run a 262k-vocabulary head on every padded position)."""
         member = self.member
         model = member.engine.model
-        if not kv_cache.output_head_reproduces_logits(model, member.prefix_token_id, member.engine.input_device):
+        if not model_calls.output_head_reproduces_logits(model, member.prefix_token_id, member.engine.input_device):
             raise NotImplementedError(
                 f"batch_size>1 cannot reproduce {type(model).__name__}'s output layer; use batch_size=1"
             )
-        return kv_cache.output_logits(model, hidden)
+        return model_calls.output_logits(model, hidden)
 
 
 # batch_size=auto on CPU: rows decoded together. Past about 8 rows a CPU's matrix units are
@@ -430,7 +348,7 @@ def auto_generation_rows(members: list[Member], jobs: list[Any]) -> int:
     for member in members:
         tokens = min(longest, member.max_length)
         per_row[member.engine.input_device] += (
-            kv_cache.kv_bytes_per_token(member.engine.model) * tokens * 2  # cat copies
+            model_calls.kv_bytes_per_token(member.engine.model) * tokens * 2  # cat copies
         )
     rows = min(
         torch.cuda.mem_get_info(device)[0] // 2 // max(1, need) for device, need in per_row.items()

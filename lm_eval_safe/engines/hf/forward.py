@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from lm_eval_safe.engines.hf import kv_cache
+from lm_eval_safe.engines.hf import model_calls
 from lm_eval_safe.members import Member
 
 
@@ -53,7 +53,7 @@ def forward_logits(
     else:
         # on cpu: with device_map=auto the hidden states it indexes sit on the last device
         to_keep = torch.tensor(keep if keep else [input_ids.shape[1] - 1], dtype=torch.long)
-    out = kv_cache.run(member.engine.model, cache, input_ids=input_ids, logits_to_keep=to_keep)
+    out = model_calls.run(member.engine.model, cache, input_ids=input_ids, logits_to_keep=to_keep)
     logits = out.logits[0]
     if isinstance(keep, int):
         logits = logits[-keep:]

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lm_eval_safe.options import OptionError, member_display_name
+from lm_eval_safe.errors import OptionError
+from lm_eval_safe.model_args import member_display_name
 
 DEVICE_HINT = "use auto, cpu, cuda, cuda:N or mps"
 # lm-eval's CLI passes ``device="cuda:0"`` (its EvaluatorConfig default) whether or not the user

@@ -23,7 +23,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from lm_eval_safe.engines.hf import kv_cache
+from lm_eval_safe.engines.hf import kv_cache, packed_slots
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class _Block:
     serial: int
     parent: _Block | None
     ids: tuple[int, ...]
-    states: kv_cache.PackedSlots
+    states: packed_slots.PackedSlots
     children: int = 0
     used: int = 0
 
@@ -88,7 +88,7 @@ class PrefixStore:
         if not chain:
             return 0, kv_cache.new_cache()
         self._touch(chain)
-        states = kv_cache.concat_slots([stored.states for stored in chain])
+        states = packed_slots.concat_slots([stored.states for stored in chain])
         reused = len(chain) * self.block
         self.reused_tokens += reused
         return reused, kv_cache.new_cache(states)
@@ -105,7 +105,7 @@ class PrefixStore:
             stored = self._blocks.get(key)
             if stored is None:
                 begin = offset + start
-                states = kv_cache.pack_row_slots(cache, row, begin, begin + self.block)
+                states = packed_slots.pack_row_slots(cache, row, begin, begin + self.block)
                 stored = _Block(next(self._serials), parent, key[1], states)
                 self._blocks[key] = stored
                 self.bytes += states.nbytes

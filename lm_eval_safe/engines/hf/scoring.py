@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lm_eval_safe.engines.hf import kv_cache
+from lm_eval_safe.engines.hf import kv_cache, model_calls
 from lm_eval_safe.engines.hf.forward import vocab_logits
 from lm_eval_safe.members import Member
 from lm_eval_safe.scoring import check_pair
@@ -135,7 +135,7 @@ def _contexts_forward(
         caches, firsts = [], []
         for ctx in contexts:
             reused, cache = store.lookup(ctx)
-            logits = kv_cache.run(
+            logits = model_calls.run(
                 model, cache, input_ids=torch.tensor([ctx[reused:]], device=device), logits_to_keep=1
             ).logits
             firsts.append(vocab_logits(logits[0, -1], vocab))
@@ -150,7 +150,7 @@ def _contexts_forward(
             "position_ids": (mask.cumsum(-1) - 1).clamp(min=0).to(device),
         }
     cache = kv_cache.new_cache() if keep_cache else None
-    logits = kv_cache.run(model, cache, input_ids=ids.to(device), logits_to_keep=1, **extra).logits
+    logits = model_calls.run(model, cache, input_ids=ids.to(device), logits_to_keep=1, **extra).logits
     if store is not None:
         for b, ctx in enumerate(contexts):
             store.looked_up_tokens += len(ctx)
@@ -206,7 +206,7 @@ def _score_batch(
                 ).to(device),
                 "position_ids": (base.unsqueeze(1) + torch.arange(start, stop)).to(device),
             }
-        logits = kv_cache.run(model, cache, input_ids=feed[:, start:stop].to(device), **extra).logits
+        logits = model_calls.run(model, cache, input_ids=feed[:, start:stop].to(device), **extra).logits
         lp, hit = _pick(logits, targets[:, start:stop].to(logits.device), vocab)
         lps.append(lp.cpu())
         greedy.append(hit.cpu())

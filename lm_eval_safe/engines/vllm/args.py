@@ -28,7 +28,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from lm_eval_safe.options import OptionError, split_list
+from lm_eval_safe.errors import OptionError
+from lm_eval_safe.model_args import split_list
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ def is_cpu_platform() -> bool:
 
 def cpu_environment() -> dict[str, str]:
     """vLLM's CPU settings this package chooses unless the environment sets them (measured on
-    2 cores with two members, BENCHMARKS.md §8):
+    2 cores with two members, measured in BENCHMARKS.md):
 
     - ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: each engine runs in this process. With its own
       engine-core process per member, each core process busy-polls a CPU while its worker

@@ -4,8 +4,8 @@ what an earlier call computed.
 
 Prompt log-probs and the prefix cache: vLLM skips *reading* the prefix cache for a request that
 asks for prompt log-probs unless told otherwise, and when it reads it, the rows of positions it
-took from the cache are not computed (on the CPU runner they hold uninitialised memory, vLLM
-issue 42019). So every scoring request reads the cache, and a row predicting position ``p``
+took from the cache are not computed (on the CPU runner they hold uninitialised memory:
+vllm-project/vllm#42019). So every scoring request reads the cache, and a row predicting position ``p``
 (computed from the hidden state at ``p - 1``) is used only when ``p - 1 >= num_cached_tokens``;
 the rare rows below that are asked again by a request ending right after them, whose cached
 prefix stops short of them, and failing that by one that does not read the cache.

@@ -17,6 +17,7 @@ from typing import Any
 
 from packaging.version import Version
 
+from lm_eval_safe.errors import OptionError
 from lm_eval_safe.members import (
     Member,
     checkpoint_folder,
@@ -24,7 +25,6 @@ from lm_eval_safe.members import (
     pick_dtype,
     resolve_source,
 )
-from lm_eval_safe.options import OptionError
 from lm_eval_safe.versions import check_vllm_versions
 
 logger = logging.getLogger(__name__)
