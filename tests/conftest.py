@@ -20,7 +20,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import TYPE_CHECKING  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -243,3 +243,62 @@ def models(real_models_dir: Path) -> Path:
     """The real members' aliases resolve to the fetched GGUF files (``LM_EVAL_SAFE_MODELS``)."""
     os.environ["LM_EVAL_SAFE_MODELS"] = str(real_models_dir)
     return real_models_dir
+
+
+# --------------------------------------------------------------------------------------
+# Tokenizers and their vocabularies (tests/vocab_cases.py names them)
+# --------------------------------------------------------------------------------------
+
+
+Loaded = dict[str, tuple[Any, Any]]  # name -> (tokenizer, TokenVocabulary)
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_bpe_dir: Path, tiny_sp_dir: Path) -> Loaded:
+    """The two tiny tokenizers, loaded by path like the backend loads them."""
+    from transformers import AutoTokenizer
+
+    from lm_eval_safe.vocabulary import TokenVocabulary
+
+    out: Loaded = {}
+    for name, folder in (("tiny_bpe", tiny_bpe_dir), ("tiny_sp", tiny_sp_dir)):
+        tok = AutoTokenizer.from_pretrained(folder)
+        out[name] = (tok, TokenVocabulary.for_tokenizer(tok))
+    return out
+
+
+def _real_tokenizer(alias: str, models_dir: Path) -> Any:
+    """The alias's tokenizer, without loading weights.
+
+    Why not ``load_member``: it would de-quantize (and cache) a whole model just for its
+    tokenizer. The converted folder ``load_member`` leaves in the cache holds the very
+    tokenizer that the backend uses and loads in a second or two; when it is absent (Qwen is
+    often not converted yet) the GGUF file is read directly, which gives the same tokenizer.
+    """
+    from transformers import AutoTokenizer
+
+    from lm_eval_safe.aliases import ALIASES
+    from lm_eval_safe.disk_cache import cache_root
+
+    gguf = ALIASES[alias].file
+    stem = Path(gguf).stem
+    for folder in sorted((cache_root() / "converted").glob(f"{stem}-*")):
+        if (folder / "complete.json").is_file() and (folder / "tokenizer.json").is_file():
+            return AutoTokenizer.from_pretrained(folder)
+    return AutoTokenizer.from_pretrained(models_dir, gguf_file=gguf)
+
+
+@pytest.fixture(scope="session")
+def real_loaded(real_models_dir: Path) -> Loaded:
+    """The three real tokenizers (SmolLM2 byte BPE, Gemma 3 SentencePiece, Qwen byte BPE)."""
+    import time
+
+    from lm_eval_safe.vocabulary import TokenVocabulary
+
+    out: Loaded = {}
+    for alias in ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"):
+        start = time.perf_counter()
+        tok = _real_tokenizer(alias, real_models_dir)
+        out[alias] = (tok, TokenVocabulary.for_tokenizer(tok))
+        print(f"{alias}: tokenizer + vocabulary in {time.perf_counter() - start:.1f}s")
+    return out

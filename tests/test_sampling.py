@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import gen_request, hf_encode, make_lm, random_prompts
+from helpers import gen_request, hf_encode, make_lm
 from scipy import stats as scipy_stats
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.logits_process import (
@@ -29,12 +29,10 @@ from transformers.generation.logits_process import (
 
 from lm_eval_safe.aggregate import Choice
 from lm_eval_safe.ensembling import Ensembler
-from lm_eval_safe.errors import OptionError, RequestError
 from lm_eval_safe.sampling import (
     RowSampler,
     SamplingParams,
     keep_or_resample,
-    parse_gen_kwargs,
     warp_logprobs,
 )
 from lm_eval_safe.vocabulary import EOS_KEY
@@ -191,122 +189,6 @@ def test_keep_or_resample_is_distributed_as_the_target() -> None:
         counts[keep_or_resample(target, draft, drafted, gen)] += 1
     _, p, _ = chi_square(counts, dict(enumerate(target.tolist())))
     assert p > MIN_P
-
-
-def test_gen_kwargs_are_parsed_like_lm_eval() -> None:
-    greedy = parse_gen_kwargs({"until": "Q:", "max_new_tokens": 7}, 256)
-    assert greedy.until == ["Q:"] and greedy.max_gen_toks == 7 and greedy.sampling.greedy
-    # lm-eval: a temperature > 0 without do_sample samples; do_sample=False is greedy whatever
-    # the temperature; do_sample=True at temperature 0 is greedy (transformers would refuse it)
-    assert not parse_gen_kwargs({"temperature": 0.7}, 256).sampling.greedy
-    assert parse_gen_kwargs({"do_sample": False, "temperature": 0.7}, 256).sampling.greedy
-    assert parse_gen_kwargs({"do_sample": "true", "temperature": 0}, 256).sampling.greedy
-    sampled = parse_gen_kwargs(
-        {"do_sample": True, "temperature": "0.5", "top_k": 40.0, "top_p": 0.9}, 9
-    )
-    assert sampled.sampling == SamplingParams(True, 0.5, 40, 0.9) and sampled.max_gen_toks == 9
-    # lm-eval's own task configs pass num_beams: 1
-    assert parse_gen_kwargs({"num_beams": 1, "until": []}, 256).sampling.greedy
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "key"),
-    [
-        ({"until": [], "max_gen_toks": 2, "no_such_option": 1}, "no_such_option"),
-        ({"top_p": 0.0, "do_sample": True, "temperature": 1}, "top_p"),
-        ({"top_p": 1.5}, "top_p"),
-        ({"top_p": "abc"}, "top_p"),
-        ({"temperature": -0.1}, "temperature"),
-        ({"temperature": "hot"}, "temperature"),
-        ({"temperature": True}, "temperature"),
-        ({"top_k": -1}, "top_k"),
-        ({"top_k": 2.5}, "top_k"),
-        ({"do_sample": "maybe"}, "do_sample"),
-        ({"num_beams": 4}, "num_beams"),
-        ({"repetition_penalty": 1.2}, "repetition_penalty"),
-        ({"min_p": 0.05}, "min_p"),
-        ({"max_gen_toks": "lots"}, "max_gen_toks"),
-        ({"until": [3]}, "until"),
-    ],
-)
-def test_bad_gen_kwargs_are_one_line_errors_naming_the_key(kwargs: dict, key: str) -> None:
-    with pytest.raises(OptionError) as info:
-        parse_gen_kwargs(kwargs, 256)
-    message = str(info.value)
-    assert key in message and "\n" not in message
-
-
-def test_lm_eval_task_generation_kwargs_are_accepted() -> None:
-    """Every ``generation_kwargs`` block of the installed lm-eval's own task configs parses
-    (0.4.9 ships 285 of them, 0.4.13 more), except a value we cannot honour (code_x_glue's beam search, ``num_beams: 10``): real tasks are not
-    refused, and nothing is dropped silently."""
-    import lm_eval
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        pass
-
-    Loader.add_multi_constructor("", lambda loader, suffix, node: None)  # !function and co.
-    refused, checked = {}, 0
-    for path in sorted((Path(lm_eval.__file__).parent / "tasks").rglob("*")):
-        if not (path.suffix == ".yaml" or path.name.endswith("_yaml")) or not path.is_file():
-            continue
-        text = path.read_text(encoding="utf-8", errors="ignore")
-        if "generation_kwargs" not in text:
-            continue
-        config = yaml.load(text, Loader=Loader)
-        if not isinstance(config, dict) or not isinstance(config.get("generation_kwargs"), dict):
-            continue
-        checked += 1
-        try:
-            parse_gen_kwargs(config["generation_kwargs"], 256)
-        except OptionError as exc:
-            refused[path.parent.name + "/" + path.name] = str(exc)
-    assert checked > 250
-    # code_x_glue's beam search: one shared template in 0.4.13, one file per language in 0.4.9
-    assert refused and all(name.startswith("code-text/") for name in refused), refused
-    assert all("num_beams=10" in message for message in refused.values())
-
-
-def test_requests_are_checked_before_the_first_forward(
-    tiny_bpe_dir: Path, tiny_sp_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    lm = make_lm(tiny_bpe_dir, tiny_sp_dir)
-
-    def no_forward(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("a forward pass ran before every request was checked")
-
-    monkeypatch.setattr("lm_eval_safe.engines.hf.batch.MemberBatch.forward", no_forward)
-    good = gen_request("the cat", until=[], max_gen_toks=2, do_sample=True, temperature=0.5)
-    bad = gen_request("the cat", until=[], max_gen_toks=2, no_such_option=1)
-    with pytest.raises(RequestError, match="^request 2: unknown generation kwarg 'no_such_option'"):
-        lm.generate_until([good, good, bad], disable_tqdm=True)
-
-
-# -- greedy is untouched ---------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("schedule", "aggregator"), [("safe", "gac"), ("safe", "unite"), ("every", "unite")]
-)
-def test_temperature_zero_and_do_sample_false_are_greedy(
-    tiny_bpe_dir: Path, tiny_sp_dir: Path, schedule: str, aggregator: str
-) -> None:
-    prompts = random_prompts(2, seed=31)
-    texts = {}
-    for name, kwargs in {
-        "plain": {},
-        "temperature=0": {"temperature": 0.0},
-        "do_sample=False": {"do_sample": False, "temperature": 0.9, "top_k": 3, "top_p": 0.5},
-        "do_sample=True,temperature=0": {"do_sample": True, "temperature": 0},
-    }.items():
-        lm = make_lm(tiny_bpe_dir, tiny_sp_dir, schedule=schedule, aggregator=aggregator, seed=3)
-        requests = [gen_request(p, until=[], max_gen_toks=12, **kwargs) for p in prompts]
-        texts[name] = lm.generate_until(requests, disable_tqdm=True)
-        assert lm.run_stats.sampled_requests == 0
-    assert len(set(texts["plain"])) > 1
-    for name, got in texts.items():
-        assert got == texts["plain"], name
 
 
 # -- exactness ---------------------------------------------------------------------------------
@@ -496,100 +378,3 @@ def test_one_member_samples_like_transformers_generate(tiny_bpe_dir: Path) -> No
     print(f"one member vs generate: p={two_sample.pvalue:.3f}, vs warpers p={one_sample:.3f}")
     assert len(big) >= 5 and len(expected) < 12, "top-k and top-p both cut this distribution"
     assert two_sample.pvalue > MIN_P and one_sample > MIN_P
-
-
-# -- reproducibility ---------------------------------------------------------------------------
-
-
-def _sampled_requests(n: int, **warp: Any) -> list[Any]:
-    return [
-        gen_request(
-            p, until=["\n\n"] if i % 3 else [], max_gen_toks=6 + 2 * i, do_sample=True, **warp
-        )
-        for i, p in enumerate(random_prompts(n, seed=41))
-    ]
-
-
-@pytest.mark.parametrize(
-    ("verifier_fixture", "schedule", "aggregator"),
-    [
-        ("tiny_gemma_dir", "safe", "gac"),
-        ("tiny_sp_dir", "aligned", "unite"),
-        ("tiny_sp_dir", "every", "unite"),
-    ],
-)
-def test_same_seed_same_texts_at_any_batch_size_order_and_split(
-    request: pytest.FixtureRequest,
-    tiny_bpe_dir: Path,
-    verifier_fixture: str,
-    schedule: str,
-    aggregator: str,
-) -> None:
-    """float64, as the greedy batching tests: identity can only break through the logic."""
-    requests = _sampled_requests(6, temperature=0.9, top_p=0.95)
-    verifier_dir = request.getfixturevalue(verifier_fixture)
-
-    def run(reqs: list[Any], batch_size: int) -> list[str]:
-        lm = make_lm(
-            tiny_bpe_dir,
-            verifier_dir,
-            schedule=schedule,
-            aggregator=aggregator,
-            batch_size=batch_size,
-            dtype="float64",
-            seed=5,
-        )
-        texts = lm.generate_until(reqs, disable_tqdm=True)
-        assert lm.run_stats.sampled_requests == len(reqs)
-        return texts
-
-    one = run(requests, 1)
-    assert len(set(one)) == len(one)
-    assert run(requests, 4) == one
-    assert run(requests[::-1], 4) == one[::-1]
-    if schedule == "safe":  # two data-parallel ranks, each with its own documents
-        assert run(requests[0::2], 1) + run(requests[1::2], 3) == one[0::2] + one[1::2]
-
-
-def test_seeds_and_repeats_give_different_texts(tiny_bpe_dir: Path, tiny_sp_dir: Path) -> None:
-    request = gen_request(
-        "the cat sat on", until=[], max_gen_toks=8, do_sample=True, temperature=1.0
-    )
-
-    def texts(**options: Any) -> list[str]:
-        return make_lm(tiny_bpe_dir, tiny_sp_dir, aggregator="gac", **options).generate_until(
-            [request] * 4, disable_tqdm=True
-        )
-
-    seeded = texts(seed=1)
-    assert len(set(seeded)) == 4, "repeats of one request are different samples"
-    assert texts(seed=1) == seeded
-    assert texts(seed=2) != seeded
-    # no seed= : lm-eval's torch seed, set before the model is built, decides
-    state = torch.get_rng_state()
-    try:
-        torch.manual_seed(1234)
-        default = texts()
-        torch.manual_seed(1234)
-        assert texts() == default
-        torch.manual_seed(4321)
-        assert texts() != default
-        torch.manual_seed(1234)
-        before = torch.get_rng_state()
-        make_lm(tiny_bpe_dir, tiny_sp_dir, seed=9).generate_until([request], disable_tqdm=True)
-        assert torch.equal(torch.get_rng_state(), before), "the global random stream is untouched"
-    finally:
-        torch.set_rng_state(state)
-
-
-def test_sampling_counts_kept_and_replaced_points(tiny_bpe_dir: Path, tiny_sp_dir: Path) -> None:
-    lm = make_lm(tiny_bpe_dir, tiny_sp_dir, aggregator="unite", schedule="safe", seed=4)
-    lm.generate_until(_sampled_requests(4, temperature=1.0), disable_tqdm=True)
-    stats = lm.run_stats
-    assert stats.ensemble_ops == stats.ensemble_kept + stats.ensemble_replaced
-    assert stats.ensemble_kept > 0 and stats.ensemble_replaced > 0
-    assert 0 < stats.acceptance_rate <= 1
-    summary = lm.get_model_info()["safe_stats"]
-    assert summary["ensemble_keep_rate"] == pytest.approx(
-        stats.ensemble_kept / stats.ensemble_ops, abs=1e-4
-    )
