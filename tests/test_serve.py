@@ -202,7 +202,8 @@ def test_concurrent_clients_share_one_batch(server: Any, reference: Any) -> None
 
 def test_a_client_that_leaves_mid_stream_leaves_the_batch(server: Any, reference: Any) -> None:
     """A streaming client that disconnects: its request is cancelled (``abort``), the batch
-    goes on without it, and the others' texts are those they get alone."""
+    goes on without it, and the others' texts are those they get alone; so is a request whose
+    client leaves before its whole response is ready."""
     before = get(server.url + "/metrics")[1]
     prompts = random_prompts(3, seed=33)
     results: dict[int, str] = {}
@@ -224,17 +225,28 @@ def test_a_client_that_leaves_mid_stream_leaves_the_batch(server: Any, reference
     for thread in threads:
         thread.join()
     assert [results[i] for i in range(3)] == [alone(reference, p, max_gen_toks=40) for p in prompts]
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        after = get(server.url + "/metrics")[1]
-        aborted = metric(after, "lm_eval_safe:request_success_total", finished_reason="abort") - metric(
-            before, "lm_eval_safe:request_success_total", finished_reason="abort"
-        )
-        if aborted == 1 and metric(after, "lm_eval_safe:num_requests_running") == 0:
-            break
-        time.sleep(0.2)
-    assert aborted == 1
-    assert metric(after, "lm_eval_safe:num_requests_running") == 0
+    # a client waiting for a whole (non-streamed) response that goes away is cancelled too
+    plain = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    body = {"prompt": "the cat sat on a mat", "max_tokens": 450, "temperature": 0, "stop": []}
+    plain.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    _wait_for(server, lambda text: metric(text, "lm_eval_safe:num_requests_running") == 1)
+    plain.sock.close()
+    plain.close()
+
+    def settled(text: str) -> bool:
+        aborted = metric(text, "lm_eval_safe:request_success_total", finished_reason="abort")
+        aborted -= metric(before, "lm_eval_safe:request_success_total", finished_reason="abort")
+        return aborted == 2 and metric(text, "lm_eval_safe:num_requests_running") == 0
+
+    _wait_for(server, settled)
+
+
+def _wait_for(server: Any, condition: Any, seconds: float = 30.0) -> None:
+    """Poll ``/metrics`` until ``condition(text)`` holds (an assertion error after ``seconds``)."""
+    deadline = time.monotonic() + seconds
+    while not condition(get(server.url + "/metrics")[1]):
+        assert time.monotonic() < deadline, "the metrics never showed it"
+        time.sleep(0.05)
 
 
 # -- bad input ------------------------------------------------------------------------------
