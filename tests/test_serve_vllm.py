@@ -18,7 +18,7 @@ from test_serve import stream_pieces
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("vllm_installed")]
 pytest.importorskip("fastapi")
 
-VLLM_ARGS = "enforce_eager=true,kv_cache_memory_bytes=268435456"  # as test_vllm_engine's
+VLLM_ARGS = "enforce_eager=true,kv_cache_memory_bytes=16777216"  # small caches: CI runs many engines at once
 
 
 def test_vllm_members_behind_the_server(tiny_bpe_vllm_dir: Path, tiny_sp_vllm_dir: Path, tmp_path: Path) -> None:
