@@ -266,7 +266,14 @@ class MemberEngine(ABC):
     @property
     @abstractmethod
     def rolling_window(self) -> int:
-        """Tokens one loglikelihood_rolling window may predict (lm-eval's rule for the engine)."""
+        """Most tokens one scoring window predicts: the ``max_seq_len`` of lm-eval's rolling
+        windows for the engine, and the longest continuation a loglikelihood request may have."""
+
+    @property
+    @abstractmethod
+    def sequence_limit(self) -> int:
+        """Most ids a row's sequence may hold when a call asks for the distribution after its
+        last id (a verifier's prompt and text)."""
 
     @property
     def shares_prefixes(self) -> bool:

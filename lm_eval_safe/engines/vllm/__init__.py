@@ -116,7 +116,15 @@ class VLLMEngine(MemberEngine):
 
     @property
     def rolling_window(self) -> int:
-        return self.member.max_length - 1  # lm-eval's vllm: the window's last token is scored
+        """lm-eval's vllm: ``max_length - 2`` (a window and its context id within
+        :attr:`sequence_limit`)."""
+        return self.member.max_length - 2
+
+    @property
+    def sequence_limit(self) -> int:
+        """vLLM refuses a prompt that fills ``max_model_len`` (it generates at least one token),
+        so a sequence whose next-token distribution is read holds one id fewer."""
+        return self.member.max_length - 1
 
     @property
     def shares_prefixes(self) -> bool:
