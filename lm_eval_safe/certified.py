@@ -31,6 +31,8 @@ from lm_eval_safe.aggregate import (
     UnionVocabulary,
     View,
     member_token_for,
+    normalised_weights,
+    weights_used,
 )
 from lm_eval_safe.engines.base import TopLogprobs
 
@@ -107,11 +109,6 @@ class Head:
         known = sum(math.exp(self.row.known[t]) for t in ids if t in self.row.known)
         missing = sum(1 for t in ids if t not in self.row.known)
         return Interval(known, known + min(self.left, missing * self.unknown))
-
-
-def _normalised(views: Sequence[View]) -> list[float]:
-    total = sum(v.weight for v in views)
-    return [v.weight / total for v in views]
 
 
 def _top_keys(view: View, k: int) -> list[bytes]:
@@ -199,10 +196,8 @@ def _decide(
     aggregators take it: the weighted geometric mean's argmax, or the mixture's argmax
     sharpened when below 0.5. ``unseen``: bounds of any string outside ``keys`` (mixture, log)."""
     if sharpen == "geometric":
-        scores = {
-            key: sum((m[key].log().scaled(w) for m, w in zip(per_member, weights, strict=True)), ZERO)
-            for key in keys
-        }
+        used = weights_used(weights)  # as the exact rules: weight 0 takes no part
+        scores = {key: sum((per_member[m][key].log().scaled(weights[m]) for m in used), ZERO) for key in keys}
         finite = {k: v for k, v in scores.items() if v.low > -math.inf}
         rivals = [unseen[1], *(v.high for k, v in scores.items() if k not in finite)]
         best = _unique_winner(finite, max(rivals))
@@ -242,9 +237,7 @@ def certified_gac(
     A string's probability in a member sums its ids (as GaC's union map does); a string no
     member's head names is at most every member's bound on an unknown id (times the most ids
     one string has in that vocabulary)."""
-    weights = _normalised(views)
-    if sharpen == "geometric" and any(w <= 0 for w in weights):
-        return None  # 0 * log 0 in the exact rule: leave it to the full distributions
+    weights = normalised_weights(views)
     if sharpen == "heuristic" and short_heads(views, top_k):
         return None
     heads = _heads(views, weights)
@@ -258,7 +251,7 @@ def certified_gac(
     unseen = [min(h.left, view.vocab.most_ids_per_key * h.unknown) for view, h in zip(views, heads, strict=True)]
     bounds = (
         sum(w * u for w, u in zip(weights, unseen, strict=True)),
-        sum(w * _log(u) for w, u in zip(weights, unseen, strict=True)),
+        sum(weights[m] * _log(unseen[m]) for m in weights_used(weights)),
     )
     candidates = list(dict.fromkeys(k for view in views for k in _top_keys(view, top_k)))
     return _decide(per_member, weights, seen, sharpen, lam, candidates, _top_keys(views[0], top_k), bounds)
@@ -293,10 +286,13 @@ def certified_unite(views: Sequence[View], sharpen: str, lam: float, top_k: int)
     """:func:`lm_eval_safe.aggregate.unite` from heads, or None where they do not settle it."""
     if short_heads(views, top_k):
         return None
-    weights = _normalised(views)
+    weights = normalised_weights(views)
     keys = list(dict.fromkeys(k for view in views for k in _top_keys(view, top_k)))
     rows = []
     for view, head in zip(views, _heads(views, weights), strict=True):
+        if head.weight == 0:  # takes no part: its row is never read
+            rows.append(dict.fromkeys(keys, ZERO))
+            continue
         row = _unite_member(view, head, keys)
         if not any(t.low > 0 for t in row.values()):
             return None  # a member none of whose entries is known: its normaliser is unbounded
