@@ -150,9 +150,22 @@ def _sharpen(
     return sharpened
 
 
+def top_ids(row: torch.Tensor, k: int) -> list[int]:
+    """The ``k`` most probable ids of a full row, best first, equal values in the order of
+    their ids (the first of equal maxima first, as ``torch.argmax``). ``torch.topk`` lists equal
+    values in whatever order its kernel meets them, so a tie at the k-th place would make the
+    top-k strings (UniTE's candidates, sharpening's) one set or another."""
+    k = min(k, row.numel())
+    kth = torch.topk(row, k).values[-1]
+    above = torch.nonzero(row > kth).flatten()
+    tied = torch.nonzero(row == kth).flatten()[: k - above.numel()]
+    ids = torch.cat([above, tied]).tolist()
+    values = row[ids].tolist()
+    return [i for _, i in sorted(zip(values, ids, strict=True), key=lambda pair: (-pair[0], pair[1]))]
+
+
 def _top_keys(view: View, k: int) -> list[bytes]:
-    top = torch.topk(view.logprobs, min(k, view.logprobs.shape[-1])).indices.tolist()
-    return [view.vocab.keys[i] for i in top]
+    return [view.vocab.keys[i] for i in top_ids(view.logprobs, k)]
 
 
 def _gac_log_geometric(
@@ -183,8 +196,7 @@ def _gac_candidate_ids(views: list[View], union: UnionVocabulary, top_k: int) ->
     """Union indices of every member's top-k strings: the strings sharpening looks at."""
     candidate_ids: list[int] = []
     for view, mapping in zip(views, union.maps, strict=True):
-        top = torch.topk(view.logprobs, min(top_k, view.logprobs.shape[-1])).indices
-        candidate_ids.extend(mapping[top].tolist())
+        candidate_ids.extend(mapping[top_ids(view.logprobs, top_k)].tolist())
     return candidate_ids
 
 

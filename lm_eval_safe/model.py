@@ -14,6 +14,7 @@ from lm_eval.api.model import LM
 from tqdm import tqdm
 
 from lm_eval_safe import __version__
+from lm_eval_safe.certified import head_width
 from lm_eval_safe.decoding import SafeDecoder
 from lm_eval_safe.distributed import AcceleratorView, ProcessGroup
 from lm_eval_safe.engines import generation_rows, load_member
@@ -95,7 +96,7 @@ class SafeEnsembleLM(LM):
                     device_map=self.placements[i].device_map,
                     fast_small_linear=opts.fast_small_linear,
                     prefix_cache_mb=opts.prefix_cache_mb,
-                    top_logprobs=opts.top_logprobs,
+                    top_logprobs=head_width(opts.top_logprobs, opts.top_k),
                     **common,
                 )
             self.members.append(member)

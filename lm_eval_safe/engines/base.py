@@ -35,6 +35,11 @@ from typing import Any
 
 import torch
 
+#: Added to the mass a head leaves (1 - the sum of its probabilities, computed from float32
+#: log-probs that may sum to slightly more than 1), so a bound on the ids it does not know is
+#: never too tight.
+MASS_SLACK = 1e-5
+
 
 @dataclass(eq=False)
 class TopLogprobs:
@@ -79,7 +84,7 @@ class TopLogprobs:
         if lp is not None:
             p = math.exp(lp)
             return p, p
-        return 0.0, min(self.ceiling, self.remaining)
+        return 0.0, min(self.ceiling, self.remaining + MASS_SLACK)
 
 
 def argmax_first(

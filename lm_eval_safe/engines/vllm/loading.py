@@ -151,6 +151,7 @@ def plan_vllm_members(
     ``tensor_parallel_size``); in a data-parallel run (lm-eval's launcher, one process per rank)
     rank r's members take GPUs r*tp to (r+1)*tp-1; otherwise vLLM chooses. On a CPU build the
     environment of :func:`.args.cpu_environment` is set where the user has not set it."""
+    from lm_eval_safe.certified import head_width
     from lm_eval_safe.engines.vllm.args import (
         apply_defaults,
         cpu_environment,
@@ -200,6 +201,6 @@ def plan_vllm_members(
         if chosen:
             logger.info("vLLM on CPU: %s (set them to choose otherwise)", chosen)
     return [
-        {"engine_args": a, "gpus": g, "top_logprobs": options.top_logprobs}
+        {"engine_args": a, "gpus": g, "top_logprobs": head_width(options.top_logprobs, options.top_k)}
         for a, g in zip(args, gpus, strict=True)
     ]
