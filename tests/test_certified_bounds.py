@@ -215,3 +215,37 @@ def test_certified_consensus_on_the_bounds_equals_the_rule(shape: str) -> None:
             decided += 1
             assert got == exact
     assert decided > 100, decided
+
+
+@pytest.mark.parametrize("aggregator", ["gac", "unite"])
+def test_a_row_computed_again_decides_as_the_head_it_completes(aggregator: str) -> None:
+    """An engine that answers a head in one request and its full row in another (vLLM, batched
+    with other requests each time) gets two computations of one distribution, apart in their
+    last bits or, on a GPU's half precision, by far more. Rows computed again (here: each
+    log-prob moved by up to 1e-2, and some shifted as a renormalisation over other ids would shift
+    it) decide otherwise than their heads in some cases; made consistent with the head
+    (:func:`~lm_eval_safe.engines.base.consistent_row`) they decide as it does in every one."""
+    from lm_eval_safe.engines.base import consistent_row
+
+    rng = random.Random(aggregator)
+    differ = certified = 0
+    for sharpen in ("heuristic", "none", "geometric"):
+        for full, heads, top_k in _cases("random", f"again/{aggregator}/{sharpen}", 200):
+            again = []
+            for view in full:
+                noise = torch.tensor([rng.uniform(-1e-2, 1e-2) for _ in range(view.logprobs.numel())])
+                shift = rng.choice([0.0, 0.0, 0.05])
+                again.append(View(view.logprobs + noise + shift, view.vocab, view.tokenizer, view.weight))
+            _, got = _decide(aggregator, sharpen, full, heads, top_k)
+            if got is None:
+                continue
+            certified += 1
+            raw, _ = _decide(aggregator, sharpen, again, heads, top_k)
+            differ += int((raw.key, raw.sharpened) != (got.key, got.sharpened))
+            made = [
+                View(consistent_row(v.logprobs.float(), h.logprobs), v.vocab, v.tokenizer, v.weight)
+                for v, h in zip(again, heads, strict=True)
+            ]
+            exact, _ = _decide(aggregator, sharpen, made, heads, top_k)
+            assert (exact.key, exact.sharpened) == (got.key, got.sharpened), sharpen
+    assert certified > 100 and differ > 0, (certified, differ)

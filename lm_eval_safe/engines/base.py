@@ -110,6 +110,25 @@ def widened(head: TopLogprobs, values: Sequence[float], ids: Sequence[float]) ->
     return TopLogprobs(top_ids, top_values, known, head.handle, head.max_probability)
 
 
+def consistent_row(row: torch.Tensor, head: TopLogprobs) -> torch.Tensor:
+    """``row``, a full distribution computed again for the position ``head`` came from, as the
+    distribution the head describes: the head's log-probs where it knows them, nowhere else more
+    than its last id (:attr:`TopLogprobs.ceiling`), and no more mass outside them than it leaves
+    (with :data:`MASS_SLACK`). Two computations of one position may differ in their last bits
+    (an engine batches a request with others), and a decision taken on the full row must be one
+    the head's bounds allow: certified from the head, it is the one taken on this row."""
+    out = row.clamp(max=head.logprobs[-1])
+    known = torch.tensor(list(head.known), dtype=torch.long)
+    out[known] = torch.tensor(list(head.known.values()), dtype=row.dtype)
+    unknown = torch.ones(row.numel(), dtype=torch.bool)
+    unknown[known] = False
+    mass = float(out[unknown].double().exp().sum())
+    allowed = head.remaining + MASS_SLACK
+    if mass > allowed:
+        out[unknown] += math.log(allowed / mass)
+    return out
+
+
 def head_of(row: torch.Tensor, top: int, head: TopLogprobs) -> TopLogprobs:
     """A head of ``top`` ids cut from the full row behind ``head`` (an engine that widens heads
     by fetching the row: every value from the row, ``head``'s known ids included)."""
@@ -118,7 +137,7 @@ def head_of(row: torch.Tensor, top: int, head: TopLogprobs) -> TopLogprobs:
     ids, values = argmax_first(argmax, float(row[argmax]), best.values.tolist(), best.indices.tolist())
     known = {token: float(row[token]) for token in head.known}
     known.update(zip(ids, values, strict=True))
-    return TopLogprobs(ids, values, known, head.handle)
+    return TopLogprobs(ids, values, known, head.handle, float(row[argmax].exp()))
 
 
 #: One answered position: the full log-softmax (transformers), or the head of it (vLLM).
