@@ -181,6 +181,9 @@ class VLLMEngine(MemberEngine):
         return {"engine": self.kind, "engine_args": shown}
 
     def identity(self) -> dict[str, Any]:
-        # another engine's kernels round differently: near-ties may flip, so answers are kept
-        # apart from the transformers engine's in --use_cache
-        return {"engine": self.kind, "quantization": self.settings.get("quantization")}
+        """The engine (another engine's kernels round differently: near-ties may flip, so its
+        answers are kept apart from the transformers engine's in ``--use_cache``) and every
+        engine argument that can change an answer (:func:`.args.result_arguments`)."""
+        from lm_eval_safe.engines.vllm.args import result_arguments
+
+        return {"engine": self.kind, "engine_args": result_arguments(self.settings)}
