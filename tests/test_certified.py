@@ -167,20 +167,10 @@ def _byte_member(table: dict[bytes, float], weight: float) -> View:
     """A member whose strings may be bytes that are no UTF-8 text (a byte-level BPE's piece of
     a multi-byte character): another member has no id for such a string (UniTE reads it as
     probability 0, GaC's union has no entry of that member for it)."""
-    from test_aggregate import GreedyTokenizer
-
-    from lm_eval_safe.vocabulary import TokenVocabulary
+    from test_aggregate import GreedyTokenizer, vocabulary
 
     keys = list(table)
-    vocab = TokenVocabulary(
-        text_bytes=keys,
-        keys=keys,
-        special_ids=frozenset(),
-        eos_ids=frozenset(),
-        adds_prefix_space=False,
-        lookup={key: i for i, key in enumerate(keys)},
-        fingerprint="bytes-" + repr(keys),
-    )
+    vocab = vocabulary(keys)
     spelled = [key.decode("utf-8", errors="replace") for key in keys]
     probs = torch.tensor([table[k] for k in keys], dtype=torch.float64)
     return View(probs.log(), vocab, GreedyTokenizer(spelled), weight)

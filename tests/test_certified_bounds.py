@@ -20,13 +20,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from test_aggregate import GreedyTokenizer
+from test_aggregate import GreedyTokenizer, vocabulary
 
 from lm_eval_safe.aggregate import UnionVocabulary, View, gac, unite
 from lm_eval_safe.certified import Interval, certified_consensus, certified_gac, certified_unite
 from lm_eval_safe.engines.base import TopLogprobs, row_probability_bounds
 from lm_eval_safe.schedules import consensus
-from lm_eval_safe.vocabulary import TokenVocabulary
 
 #: Every member holds these, so a greedy longest match spells any string of POOL.
 LETTERS = ["T", "h", "e", "n", " ", "t", "a", "c", "x", "y", "1", "2"]
@@ -39,19 +38,7 @@ def _view(strings: list[str], probs: list[float], weight: float, round_up: bool 
     """A member over ``strings`` (a string may repeat: several ids spell it) with float32
     log-probs of ``probs``; ``round_up``: each rounded to the float32 above, so the
     probabilities sum past 1 as an engine's float32 log-softmax may."""
-    keys = [s.encode("utf-8") for s in strings]
-    lookup: dict[bytes, int] = {}
-    for i, key in enumerate(keys):
-        lookup.setdefault(key, i)
-    vocab = TokenVocabulary(
-        text_bytes=keys,
-        keys=keys,
-        special_ids=frozenset(),
-        eos_ids=frozenset(),
-        adds_prefix_space=False,
-        lookup=lookup,
-        fingerprint="bounds-" + "|".join(strings),
-    )
+    vocab = vocabulary([s.encode("utf-8") for s in strings])
     logs = torch.tensor([math.log(p) if p > 0 else -math.inf for p in probs], dtype=torch.float64)
     row = logs.float()
     if round_up:
