@@ -70,6 +70,10 @@ def test_heads_order_equal_values_as_argmax_and_name_no_argmax_they_cannot() -> 
     assert head.max_probability == float(full.max().exp()) and head.max_probability != math.exp(half)
     assert engine.head(flat, 1).ids[:3] == [1, 2, 7]
     assert engine.head(flat, 2) is None and engine.head(flat, 3) is None
+    # where a head names no argmax, the batch cuts one from the full row (-1: no id asked about)
+    cut = engine.row_head(full, -1, None)
+    assert cut.ids == [2, 7, 5] and set(cut.known) == {2, 7, 5}
+    assert set(engine.row_head(full, 9, None).known) == {2, 7, 5, 9}
 
 
 @pytest.fixture(scope="module")

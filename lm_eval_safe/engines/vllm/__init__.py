@@ -112,9 +112,9 @@ class VLLMEngine(MemberEngine):
 
     def row_head(self, row: torch.Tensor, asked: int, handle: Any) -> TopLogprobs:
         """A head of :attr:`top` ids cut from a :meth:`full_row` (where :meth:`head` gave None),
-        knowing the asked-about id too when it is a token."""
+        knowing the asked-about id too when it is a token (-1: none was asked about)."""
         argmax = int(torch.argmax(row))
-        known = {t: float(row[t]) for t in {argmax, asked} if t < row.numel()}
+        known = {t: float(row[t]) for t in {argmax, asked} if 0 <= t < row.numel()}
         return head_of(row, self.top, TopLogprobs([argmax], [known[argmax]], known, handle))
 
     def token_score(self, flat: Any, position: int) -> tuple[float, bool]:
