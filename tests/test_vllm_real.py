@@ -83,7 +83,8 @@ def test_one_member_past_a_64_token_window_equals_lm_eval_vllm(models: Path, sha
     from lm_eval_safe.bench.vllm_parity import lm_eval_vllm_for
     from lm_eval_safe.model import SafeEnsembleLM
 
-    ours = SafeEnsembleLM(members="smollm2-135m", engine="vllm", max_length=64, batch_size="auto", **ENGINE)
+    # a 64-token window needs a small KV cache (engines live as long as the process)
+    ours = SafeEnsembleLM(members="smollm2-135m", engine="vllm", max_length=64, batch_size="auto", **{**ENGINE, "kv_cache_memory_bytes": 64 << 20})
     theirs = lm_eval_vllm_for(ours.members[0])
     tokenizer = ours.members[0].tokenizer
     rows = [json.loads(x) for x in (shared_dir / "data" / "gsm8k" / "test.jsonl").read_text().splitlines()[:6]]
