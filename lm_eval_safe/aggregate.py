@@ -121,9 +121,14 @@ def _unpack(flat: torch.Tensor, offsets: torch.Tensor) -> list[bytes]:
     return [raw[bounds[i] : bounds[i + 1]] for i in range(len(bounds) - 1)]
 
 
-def _normalised_weights(views: list[View]) -> list[float]:
+def normalised_weights(views: Sequence[View]) -> list[float]:
     total = sum(v.weight for v in views)
     return [v.weight / total for v in views]
+
+
+def weights_used(weights: Sequence[float]) -> list[int]:
+    """The members a weighted geometric mean reads: those of weight above 0."""
+    return [m for m, w in enumerate(weights) if w > 0]
 
 
 def _can_absorb(key: bytes, probability: float, lam: float) -> bool:
@@ -145,17 +150,34 @@ def _sharpen(
     return sharpened
 
 
+def top_ids(row: torch.Tensor, k: int) -> list[int]:
+    """The ``k`` most probable ids of a full row, best first, equal values in the order of
+    their ids (the first of equal maxima first, as ``torch.argmax``). ``torch.topk`` lists equal
+    values in whatever order its kernel meets them, so a tie at the k-th place would make the
+    top-k strings (UniTE's candidates, sharpening's) one set or another."""
+    k = min(k, row.numel())
+    kth = torch.topk(row, k).values[-1]
+    above = torch.nonzero(row > kth).flatten()
+    tied = torch.nonzero(row == kth).flatten()[: k - above.numel()]
+    ids = torch.cat([above, tied]).tolist()
+    values = row[ids].tolist()
+    return [i for _, i in sorted(zip(values, ids, strict=True), key=lambda pair: (-pair[0], pair[1]))]
+
+
 def _top_keys(view: View, k: int) -> list[bytes]:
-    top = torch.topk(view.logprobs, min(k, view.logprobs.shape[-1])).indices.tolist()
-    return [view.vocab.keys[i] for i in top]
+    return [view.vocab.keys[i] for i in top_ids(view.logprobs, k)]
 
 
 def _gac_log_geometric(
     views: list[View], weights: list[float], maps: list[torch.Tensor], size: int
 ) -> torch.Tensor:
-    """Weighted log-mean of the members' probabilities over the union (-inf where one lacks it)."""
+    """Weighted log-mean of the members' probabilities over the union (-inf where one lacks it).
+    A member of weight 0 takes no part, also where it lacks a string (``p ** 0 = 1``, where
+    ``0 * log 0`` would be NaN, which ``argmax`` would pick)."""
     total = torch.zeros(size, dtype=torch.float64)
     for view, weight, mapping in zip(views, weights, maps, strict=True):
+        if weight == 0:
+            continue
         probs = torch.zeros(size, dtype=torch.float64)
         probs.scatter_add_(0, mapping, view.logprobs.double().exp())
         total += weight * probs.log()  # -inf where the member lacks the string
@@ -174,14 +196,13 @@ def _gac_candidate_ids(views: list[View], union: UnionVocabulary, top_k: int) ->
     """Union indices of every member's top-k strings: the strings sharpening looks at."""
     candidate_ids: list[int] = []
     for view, mapping in zip(views, union.maps, strict=True):
-        top = torch.topk(view.logprobs, min(top_k, view.logprobs.shape[-1])).indices
-        candidate_ids.extend(mapping[top].tolist())
+        candidate_ids.extend(mapping[top_ids(view.logprobs, top_k)].tolist())
     return candidate_ids
 
 
 def gac(views: list[View], union: UnionVocabulary, sharpen: str, lam: float, top_k: int) -> Choice:
     """Average full distributions in the union vocabulary (GaC); geometric = weighted log-mean."""
-    weights = _normalised_weights(views)
+    weights = normalised_weights(views)
     if sharpen == "geometric":
         total = _gac_log_geometric(views, weights, union.maps, len(union))
         best = int(torch.argmax(total))
@@ -235,11 +256,12 @@ def _unite_table(views: list[View], top_k: int) -> tuple[list[bytes], torch.Tens
 
 def unite(views: list[View], sharpen: str, lam: float, top_k: int) -> Choice:
     """UniTE: softmax of each member over the union of top-k strings, then average."""
-    weights = _normalised_weights(views)
+    weights = normalised_weights(views)
     union_keys, member_logq = _unite_table(views, top_k)
     w = torch.tensor(weights, dtype=torch.float64).unsqueeze(1)
     if sharpen == "geometric":
-        total = (w * member_logq).sum(0)
+        # a member of weight 0 takes no part (0 * -inf, a string it cannot spell, is NaN)
+        total = (w * member_logq)[weights_used(weights)].sum(0)
         best = int(torch.argmax(total))
         return Choice(union_keys[best], math.exp(float(total[best])), False)
     total = (w * member_logq.exp()).sum(0)
@@ -305,15 +327,9 @@ def gac_distribution(
     """What :func:`gac` takes the argmax of, as a distribution over ``union.keys``: the weighted
     mixture, its heuristic sharpening when the mixture's maximum is below 0.5, or the normalised
     weighted geometric mean. Members with weight 0 take no part (``p ** 0 = 1``)."""
-    weights = _normalised_weights(views)
+    weights = normalised_weights(views)
     if sharpen == "geometric":
-        used = [i for i, w in enumerate(weights) if w > 0]
-        total = _gac_log_geometric(
-            [views[i] for i in used],
-            [weights[i] for i in used],
-            [union.maps[i] for i in used],
-            len(union),
-        )
+        total = _gac_log_geometric(views, weights, union.maps, len(union))
         return StringDistribution(union.keys, _normalised_log(total))
     total = _gac_mixture(views, weights, union)
     if sharpen == "heuristic" and float(total.max()) < SHARPEN_THRESHOLD:
@@ -330,7 +346,7 @@ def unite_distribution(
     """What :func:`unite` takes the argmax of, as a distribution over its candidate strings
     (zero for every other string). A member with no finite log-probability on the candidates
     (its sampling filter removed them all) takes no part."""
-    weights = torch.tensor(_normalised_weights(views), dtype=torch.float64)
+    weights = torch.tensor(normalised_weights(views), dtype=torch.float64)
     union_keys, member_logq = _unite_table(views, top_k)
     usable = torch.isfinite(member_logq).any(dim=1) & (weights > 0)
     if not bool(usable.any()):

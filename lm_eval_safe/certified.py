@@ -31,15 +31,21 @@ from lm_eval_safe.aggregate import (
     UnionVocabulary,
     View,
     member_token_for,
+    normalised_weights,
+    weights_used,
 )
-from lm_eval_safe.engines.base import TopLogprobs
+from lm_eval_safe.engines.base import MASS_SLACK, TopLogprobs
 
 #: Separation every certified comparison needs: more than the rounding of the float32
 #: log-probs an engine returns, far less than any difference a decision turns on in practice.
 MARGIN = 1e-7
-#: Added to the mass an engine's head leaves (1 - the sum of its probabilities, computed from
-#: float32 log-probs that may sum to slightly more than 1), so a bound is never too tight.
-MASS_SLACK = 1e-5
+
+
+def head_width(top_logprobs: int, top_k: int) -> int:
+    """Ids an engine's head holds: ``top_logprobs``, and at least one past ``top_k``. A head of
+    exactly ``top_k`` ids cannot name the top-k strings: an id it does not know may tie its
+    last one (:func:`_top_keys`), while one more id shows whether the k-th place is shared."""
+    return max(top_logprobs, top_k + 1)
 
 
 def as_head(view: View, k: int) -> View:
@@ -109,15 +115,20 @@ class Head:
         return Interval(known, known + min(self.left, missing * self.unknown))
 
 
-def _normalised(views: Sequence[View]) -> list[float]:
-    total = sum(v.weight for v in views)
-    return [v.weight / total for v in views]
-
-
-def _top_keys(view: View, k: int) -> list[bytes]:
+def _top_keys(view: View, k: int) -> list[bytes] | None:
+    """The keys of the row's ``k`` most probable ids in :func:`~lm_eval_safe.aggregate.top_ids`'s
+    order (equal values by id), whatever order the engine listed them in; None where the head
+    cannot tell which ids they are: an id it does not know may equal the k-th value (no unknown
+    id exceeds the head's last value), so a tie at the k-th place may reach past the head."""
     row = view.logprobs
     assert isinstance(row, TopLogprobs)
-    return [view.vocab.keys[i] for i in row.ids[:k]]
+    k = min(k, len(view.vocab.keys))
+    ranked = sorted(row.known.items(), key=lambda item: (-item[1], item[0]))
+    if len(ranked) < k:
+        return None
+    if len(ranked) < len(view.vocab.keys) and ranked[k - 1][1] <= row.logprobs[-1]:
+        return None
+    return [view.vocab.keys[t] for t, _ in ranked[:k]]
 
 
 def short_heads(views: Sequence[View], top_k: int) -> list[int]:
@@ -199,10 +210,8 @@ def _decide(
     aggregators take it: the weighted geometric mean's argmax, or the mixture's argmax
     sharpened when below 0.5. ``unseen``: bounds of any string outside ``keys`` (mixture, log)."""
     if sharpen == "geometric":
-        scores = {
-            key: sum((m[key].log().scaled(w) for m, w in zip(per_member, weights, strict=True)), ZERO)
-            for key in keys
-        }
+        used = weights_used(weights)  # as the exact rules: weight 0 takes no part
+        scores = {key: sum((per_member[m][key].log().scaled(weights[m]) for m in used), ZERO) for key in keys}
         finite = {k: v for k, v in scores.items() if v.low > -math.inf}
         rivals = [unseen[1], *(v.high for k, v in scores.items() if k not in finite)]
         best = _unique_winner(finite, max(rivals))
@@ -242,9 +251,7 @@ def certified_gac(
     A string's probability in a member sums its ids (as GaC's union map does); a string no
     member's head names is at most every member's bound on an unknown id (times the most ids
     one string has in that vocabulary)."""
-    weights = _normalised(views)
-    if sharpen == "geometric" and any(w <= 0 for w in weights):
-        return None  # 0 * log 0 in the exact rule: leave it to the full distributions
+    weights = normalised_weights(views)
     if sharpen == "heuristic" and short_heads(views, top_k):
         return None
     heads = _heads(views, weights)
@@ -258,10 +265,15 @@ def certified_gac(
     unseen = [min(h.left, view.vocab.most_ids_per_key * h.unknown) for view, h in zip(views, heads, strict=True)]
     bounds = (
         sum(w * u for w, u in zip(weights, unseen, strict=True)),
-        sum(w * _log(u) for w, u in zip(weights, unseen, strict=True)),
+        sum(weights[m] * _log(unseen[m]) for m in weights_used(weights)),
     )
-    candidates = list(dict.fromkeys(k for view in views for k in _top_keys(view, top_k)))
-    return _decide(per_member, weights, seen, sharpen, lam, candidates, _top_keys(views[0], top_k), bounds)
+    tops: list[list[bytes] | None] = [[] for _ in views]  # sharpening alone reads the top-k
+    if sharpen == "heuristic":
+        tops = [_top_keys(view, top_k) for view in views]
+    if any(top is None for top in tops):
+        return None
+    candidates = list(dict.fromkeys(k for top in tops for k in top or ()))
+    return _decide(per_member, weights, seen, sharpen, lam, candidates, tops[0] or [], bounds)
 
 
 def _unite_member(view: View, head: Head, keys: list[bytes]) -> dict[bytes, Interval]:
@@ -293,15 +305,21 @@ def certified_unite(views: Sequence[View], sharpen: str, lam: float, top_k: int)
     """:func:`lm_eval_safe.aggregate.unite` from heads, or None where they do not settle it."""
     if short_heads(views, top_k):
         return None
-    weights = _normalised(views)
-    keys = list(dict.fromkeys(k for view in views for k in _top_keys(view, top_k)))
+    tops = [_top_keys(view, top_k) for view in views]
+    if any(top is None for top in tops):
+        return None
+    weights = normalised_weights(views)
+    keys = list(dict.fromkeys(k for top in tops for k in top or ()))
     rows = []
     for view, head in zip(views, _heads(views, weights), strict=True):
+        if head.weight == 0:  # takes no part: its row is never read
+            rows.append(dict.fromkeys(keys, ZERO))
+            continue
         row = _unite_member(view, head, keys)
         if not any(t.low > 0 for t in row.values()):
             return None  # a member none of whose entries is known: its normaliser is unbounded
         rows.append(row)
-    return _decide(rows, weights, keys, sharpen, lam, keys, _top_keys(views[0], top_k))
+    return _decide(rows, weights, keys, sharpen, lam, keys, tops[0] or [])
 
 
 def certified_consensus(

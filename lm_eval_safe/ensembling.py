@@ -22,7 +22,7 @@ from lm_eval_safe.aggregate import (
     unite,
     unite_distribution,
 )
-from lm_eval_safe.certified import as_head, certified_gac, certified_unite, short_heads
+from lm_eval_safe.certified import as_head, certified_gac, certified_unite, head_width, short_heads
 from lm_eval_safe.disk_cache import cache_root
 from lm_eval_safe.engines.base import Complete, is_full
 from lm_eval_safe.members import Member
@@ -85,7 +85,7 @@ class Ensembler:
             if o.aggregator == "gac":
                 return gac(views, self.union, o.sharpen, o.sharpen_lambda, o.top_k)
             return unite(views, o.sharpen, o.sharpen_lambda, o.top_k)
-        heads = [as_head(v, o.top_logprobs) for v in views]
+        heads = [as_head(v, self.head_width) for v in views]
         if o.aggregator == "gac":
             return certified_gac(heads, self.union, o.sharpen, o.sharpen_lambda, o.top_k)
         return certified_unite(heads, o.sharpen, o.sharpen_lambda, o.top_k)
@@ -101,8 +101,9 @@ class Ensembler:
 
     @property
     def head_width(self) -> int:
-        """Ids a widened head holds: the engines' ``top_logprobs``, and never fewer than top_k."""
-        return max(self.options.top_logprobs, self.options.top_k)
+        """Ids a head holds (:func:`~lm_eval_safe.certified.head_width`): an engine's, a widened
+        one, a full row's cut for a decision beside engine heads."""
+        return head_width(self.options.top_logprobs, self.options.top_k)
 
     # -- sampled ----------------------------------------------------------------------------
     def sample(

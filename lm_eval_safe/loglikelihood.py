@@ -242,9 +242,10 @@ def _member_scores(
 def score_rolling(
     members: Sequence[Member], options: SafeOptions, texts: list[str], disable_tqdm: bool = False
 ) -> list[float]:
-    """Perplexity: each member scores the whole text with its own rolling windows (as HFLM:
-    its max length, its BOS/EOS prefix token, context_len=1); the members' per-token log-probs
-    are then combined at common boundaries like a loglikelihood continuation."""
+    """Perplexity: each member scores the whole text with its own rolling windows (as lm-eval's
+    backend for its engine: ``hf`` windows of max_length, ``vllm`` of max_length - 2; its
+    BOS/EOS prefix token, context_len=1); the members' per-token log-probs are then combined at
+    common boundaries like a loglikelihood continuation."""
     token_ids = [[m.encode(text) for text in texts] for m in members]
     all_pairs: list[list[tuple[list[int], list[int]]]] = []
     owners: list[list[int]] = []  # per member: the text each of its windows belongs to
@@ -256,7 +257,7 @@ def score_rolling(
                 get_rolling_token_windows(
                     token_list=ids,
                     prefix_token=member.prefix_token_id,
-                    max_seq_len=member.max_length,
+                    max_seq_len=member.engine.rolling_window,
                     context_len=1,
                 ),
             ):

@@ -157,7 +157,7 @@ class VerifierRun:
             self.pred[0] = (yield Forward(self.slot, 0, prompt, [len(prompt) - 1]))[0]
             self.forwards += 1
         ids = self.member.vocab.encode_text(self.member.tokenizer, text)
-        if len(self.prompt_ids) + len(ids) > self.member.max_length:
+        if len(self.prompt_ids) + len(ids) > self.member.engine.sequence_limit:
             raise WindowExhausted(self.member.name)
         ends = self.member.vocab.token_ends(ids, text_bytes[: len(text.encode("utf-8"))])
         keep = 0

@@ -24,14 +24,18 @@ class ScoringError(ValueError):
 
 
 def check_pair(member: Member, index: int, ctx: list[int], cont: list[int]) -> None:
-    """A pair any engine can score: a continuation to score, within the member's window, and a
+    """A pair the member's engine can score: a continuation to score, no longer than one of its
+    scoring windows (``rolling_window``: vLLM's is two ids short of ``max_length``), and a
     context token to condition on (lm-eval puts the prefix token in an empty context)."""
     if not cont:
         raise ScoringError(index, f"{member.name} has no continuation tokens to score")
-    if len(cont) > member.max_length:
+    window = member.engine.rolling_window
+    if len(cont) > window:
         raise ScoringError(
             index,
-            f"continuation of {len(cont)} tokens is longer than {member.name}'s window ({member.max_length})",
+            f"continuation of {len(cont)} tokens is longer than {member.name}'s scoring window "
+            f"({window}) on its {member.engine.kind} engine; give a larger max_length= (now "
+            f"{member.max_length}) or a shorter continuation",
         )
     if not ctx:
         raise ScoringError(index, f"{member.name} has no context token to condition on")

@@ -87,7 +87,7 @@ PYEOF
 import sys
 
 from lm_eval_safe.aliases import DEFAULT_MEMBERS, check_installed_alias
-from lm_eval_safe.options import OptionError
+from lm_eval_safe.errors import OptionError
 
 try:
     for name in DEFAULT_MEMBERS:

@@ -46,24 +46,30 @@ class GreedyTokenizer:
         return ids
 
 
+def vocabulary(keys: list[bytes], text: list[bytes] | None = None, eos: frozenset[int] = frozenset()) -> TokenVocabulary:
+    """A made-up member's vocabulary: id i is ``keys[i]`` (a key may repeat: several ids spell
+    one string; the first is the one ``lookup`` names), spelling ``text[i]`` (default: the key)."""
+    lookup: dict[bytes, int] = {}
+    for i, key in enumerate(keys):
+        lookup.setdefault(key, i)
+    return TokenVocabulary(
+        text_bytes=list(keys) if text is None else text,
+        keys=keys,
+        special_ids=eos,
+        eos_ids=eos,
+        adds_prefix_space=False,
+        lookup=lookup,
+        fingerprint="fake-" + repr(keys),
+    )
+
+
 def member(table: dict[str, float], weight: float = 1.0) -> View:
     """A member whose vocabulary is ``table``'s strings, with exactly those probabilities."""
     strings = list(table)
     keys = [EOS_KEY if s == EOS else s.encode("utf-8") for s in strings]
     text = [b"" if s == EOS else s.encode("utf-8") for s in strings]
     eos = frozenset(i for i, s in enumerate(strings) if s == EOS)
-    lookup: dict[bytes, int] = {}
-    for i, key in enumerate(keys):
-        lookup.setdefault(key, i)
-    vocab = TokenVocabulary(
-        text_bytes=text,
-        keys=keys,
-        special_ids=eos,
-        eos_ids=eos,
-        adds_prefix_space=False,
-        lookup=lookup,
-        fingerprint="fake-" + "|".join(strings),
-    )
+    vocab = vocabulary(keys, text, eos)
     probs = torch.tensor([table[s] for s in strings], dtype=torch.float64)
     assert abs(float(probs.sum()) - 1.0) < 1e-9, table
     return View(probs.log(), vocab, GreedyTokenizer(strings), weight)

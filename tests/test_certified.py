@@ -60,7 +60,7 @@ def _trials(seed: int, n: int):
         weights = [rng.choice([1.0, 1.0, 2.0, 0.5]) for _ in range(rng.choice([2, 2, 3]))]
         full = [_random_member(rng, w) for w in weights]
         k = rng.choice([3, 5, 8, 10])
-        top_k = rng.choice([t for t in (2, 3, 5, 10) if t <= k])
+        top_k = rng.choice([t for t in (2, 3, 5, 10) if t < k])  # engines' heads: top_k + 1 ids or more
         yield full, [_head(v, k, rng) for v in full], top_k
 
 
@@ -161,3 +161,40 @@ def test_head_bounds() -> None:
     assert row.remaining == pytest.approx(0.25)
     assert row.probability_bounds(7) == pytest.approx((0.05, 0.05))
     assert row.probability_bounds(9) == pytest.approx((0.0, 0.2))
+
+
+def _byte_member(table: dict[bytes, float], weight: float) -> View:
+    """A member whose strings may be bytes that are no UTF-8 text (a byte-level BPE's piece of
+    a multi-byte character): another member has no id for such a string (UniTE reads it as
+    probability 0, GaC's union has no entry of that member for it)."""
+    from test_aggregate import GreedyTokenizer, vocabulary
+
+    keys = list(table)
+    vocab = vocabulary(keys)
+    spelled = [key.decode("utf-8", errors="replace") for key in keys]
+    probs = torch.tensor([table[k] for k in keys], dtype=torch.float64)
+    return View(probs.log(), vocab, GreedyTokenizer(spelled), weight)
+
+
+@pytest.mark.parametrize("aggregator", ["gac", "unite"])
+def test_a_zero_weight_member_takes_no_part_in_the_geometric_mean(aggregator: str) -> None:
+    """``weights=1,0`` with ``sharpen=geometric``: the second member's log-probabilities count
+    0 times, also for a string it has no id for (0 x log 0 is not a number: p ** 0 = 1).
+
+    By hand: A = {b: 0.5, \\xe6: 0.4, c: 0.1} with weight 1 decides alone; the weighted log-mean
+    is A's own distribution (UniTE's softmax over the union {b, \\xe6, c} is A's, as A spells all
+    three) and b wins with 0.5. B = {b: 0.3, c: 0.7} cannot spell the byte string \\xe6. The
+    decision from heads that know every id is the same."""
+    a = _byte_member({b"b": 0.5, b"\xe6": 0.4, b"c": 0.1}, 1.0)
+    b = _byte_member({b"b": 0.3, b"c": 0.7}, 0.0)
+    heads = [_head(v, v.logprobs.numel(), random.Random(0)) for v in (a, b)]
+    if aggregator == "gac":
+        union = UnionVocabulary.build([a.vocab, b.vocab])
+        exact = gac([a, b], union, "geometric", 0.1, 10)
+        certified = certified_gac(heads, union, "geometric", 0.1, 10)
+    else:
+        exact = unite([a, b], "geometric", 0.1, 10)
+        certified = certified_unite(heads, "geometric", 0.1, 10)
+    assert (exact.key, exact.sharpened) == (b"b", False)
+    assert exact.probability == pytest.approx(0.5, abs=1e-12)
+    assert certified is not None and certified.key == b"b"

@@ -19,6 +19,7 @@ import torch
 from helpers import SCHEDULES, as_full, gen_request, ll_request, make_lm, random_prompts
 
 from lm_eval_safe.errors import OptionError
+from lm_eval_safe.options import SafeOptions
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("vllm_installed")]
 
@@ -147,6 +148,25 @@ def test_certified_decisions_equal_full_vocabulary_decisions(pair, monkeypatch) 
             full.append(View(row, view.vocab, view.tokenizer, view.weight))
         exact = gac(full, *args) if aggregator == "gac" else unite(full, *args)
         assert (exact.key, exact.sharpened) == (choice.key, choice.sharpened)
+
+
+@pytest.mark.parametrize("weights", [[1.0, 0.0], [0.0, 1.0]])
+@pytest.mark.parametrize("aggregator", ["unite", "gac"])
+def test_a_zero_weight_gives_the_transformers_texts(pair, weights: list[float], aggregator: str) -> None:
+    """``weights`` with a 0 and ``sharpen=geometric``, every token an ensemble point: the member
+    of weight 0 takes no part on either engine, whether a decision is taken from heads or on
+    full distributions, so both write the same texts."""
+    requests = [gen_request(p, until=[], max_gen_toks=20) for p in random_prompts(4, seed=37)]
+    texts = []
+    try:
+        for lm in pair:
+            with_options(lm, schedule="every", aggregator=aggregator, sharpen="geometric", weights=weights, batch_size=2)
+            texts.append(lm.generate_until(requests, disable_tqdm=True))
+            assert lm.run_stats.ensemble_ops > 0
+    finally:  # the other tests of the module share these members and set neither option
+        for lm in pair:
+            with_options(lm, weights=None, sharpen=SafeOptions.sharpen)
+    assert texts[0] == texts[1]
 
 
 def test_three_members_with_a_sliding_window_gemma(tiny_bpe_vllm_dir, tiny_sp_vllm_dir, tiny_gemma_vllm_dir) -> None:

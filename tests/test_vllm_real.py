@@ -69,3 +69,39 @@ def test_default_ensemble_on_vllm_decides_as_on_transformers(models: Path, share
     for key in ("ensemble_ops", "ensemble_replaced", "consensus_skips", "cycles"):
         assert results["vllm"][1][key] == results["hf"][1][key], key
     assert results["vllm"][1]["certified_decisions"] > 10 * max(1, results["vllm"][1]["full_decisions"])
+
+
+def test_one_member_past_a_64_token_window_equals_lm_eval_vllm(models: Path, shared_dir: Path) -> None:
+    """SmolLM2 on vLLM with max_length=64: loglikelihood with 80-token contexts (one choice of a
+    single token: greedy flags too) and rolling over 70- and 200-token texts, left-truncated as
+    lm-eval's vllm truncates them (``max_length - 1``, windows of ``max_length - 2``; vLLM
+    refused a 64-token prompt before), within 1e-4 of lm-eval's own ``--model vllm``."""
+    import json
+
+    from lm_eval.api.instance import Instance
+
+    from lm_eval_safe.bench.vllm_parity import lm_eval_vllm_for
+    from lm_eval_safe.model import SafeEnsembleLM
+
+    # a 64-token window needs a small KV cache (engines live as long as the process)
+    ours = SafeEnsembleLM(members="smollm2-135m", engine="vllm", max_length=64, batch_size="auto", **{**ENGINE, "kv_cache_memory_bytes": 64 << 20})
+    theirs = lm_eval_vllm_for(ours.members[0])
+    tokenizer = ours.members[0].tokenizer
+    rows = [json.loads(x) for x in (shared_dir / "data" / "gsm8k" / "test.jsonl").read_text().splitlines()[:6]]
+    ids = tokenizer.encode(" ".join(r["question"] + " " + r["answer"] for r in rows))
+
+    def text(start: int, n: int) -> str:
+        cut = tokenizer.decode(ids[start : start + n])
+        assert len(tokenizer.encode(cut)) == n
+        return cut
+
+    loglikelihood = [
+        Instance("loglikelihood", {}, (text(0, 80), " " + text(300, 6).strip()), 0),
+        Instance("loglikelihood", {}, (text(100, 80), text(400, 12)), 0),
+        Instance("loglikelihood", {}, (text(200, 62), text(500, 1)), 0),
+    ]
+    rolling = [Instance("loglikelihood_rolling", {}, (text(50, 70),), 0), Instance("loglikelihood_rolling", {}, (text(500, 200),), 0)]
+    for (a, greedy_a), (b, greedy_b) in zip(*(lm.loglikelihood(loglikelihood, disable_tqdm=True) for lm in (ours, theirs)), strict=True):
+        assert abs(a - b) < 1e-4 and greedy_a == greedy_b
+    for a, b in zip(*(lm.loglikelihood_rolling(rolling, disable_tqdm=True) for lm in (ours, theirs)), strict=True):
+        assert abs(a - b) < 1e-4

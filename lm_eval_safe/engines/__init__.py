@@ -39,6 +39,7 @@ def load_members(opts: Any, placements: Sequence[Any], rank: int, world_size: in
     minutes)."""
     import os
 
+    from lm_eval_safe.certified import head_width
     from lm_eval_safe.members import check_gguf_file, resolve_source
 
     for spec in opts.members:
@@ -71,7 +72,7 @@ def load_members(opts: Any, placements: Sequence[Any], rank: int, world_size: in
                 device_map=placements[i].device_map,
                 fast_small_linear=opts.fast_small_linear,
                 prefix_cache_mb=opts.prefix_cache_mb,
-                top_logprobs=opts.top_logprobs,
+                top_logprobs=head_width(opts.top_logprobs, opts.top_k),
                 **common,
             )
         members.append(member)

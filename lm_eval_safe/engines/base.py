@@ -35,6 +35,11 @@ from typing import Any
 
 import torch
 
+#: Added to the mass a head leaves (1 - the sum of its probabilities, computed from float32
+#: log-probs that may sum to slightly more than 1), so a bound on the ids it does not know is
+#: never too tight.
+MASS_SLACK = 1e-5
+
 
 @dataclass(eq=False)
 class TopLogprobs:
@@ -79,7 +84,7 @@ class TopLogprobs:
         if lp is not None:
             p = math.exp(lp)
             return p, p
-        return 0.0, min(self.ceiling, self.remaining)
+        return 0.0, min(self.ceiling, self.remaining + MASS_SLACK)
 
 
 def argmax_first(
@@ -105,6 +110,25 @@ def widened(head: TopLogprobs, values: Sequence[float], ids: Sequence[float]) ->
     return TopLogprobs(top_ids, top_values, known, head.handle, head.max_probability)
 
 
+def consistent_row(row: torch.Tensor, head: TopLogprobs) -> torch.Tensor:
+    """``row``, a full distribution computed again for the position ``head`` came from, as the
+    distribution the head describes: the head's log-probs where it knows them, nowhere else more
+    than its last id (:attr:`TopLogprobs.ceiling`), and no more mass outside them than it leaves
+    (with :data:`MASS_SLACK`). Two computations of one position may differ in their last bits
+    (an engine batches a request with others), and a decision taken on the full row must be one
+    the head's bounds allow: certified from the head, it is the one taken on this row."""
+    out = row.clamp(max=head.logprobs[-1])
+    known = torch.tensor(list(head.known), dtype=torch.long)
+    out[known] = torch.tensor(list(head.known.values()), dtype=row.dtype)
+    unknown = torch.ones(row.numel(), dtype=torch.bool)
+    unknown[known] = False
+    mass = float(out[unknown].double().exp().sum())
+    allowed = head.remaining + MASS_SLACK
+    if mass > allowed:
+        out[unknown] += math.log(allowed / mass)
+    return out
+
+
 def head_of(row: torch.Tensor, top: int, head: TopLogprobs) -> TopLogprobs:
     """A head of ``top`` ids cut from the full row behind ``head`` (an engine that widens heads
     by fetching the row: every value from the row, ``head``'s known ids included)."""
@@ -113,7 +137,7 @@ def head_of(row: torch.Tensor, top: int, head: TopLogprobs) -> TopLogprobs:
     ids, values = argmax_first(argmax, float(row[argmax]), best.values.tolist(), best.indices.tolist())
     known = {token: float(row[token]) for token in head.known}
     known.update(zip(ids, values, strict=True))
-    return TopLogprobs(ids, values, known, head.handle)
+    return TopLogprobs(ids, values, known, head.handle, float(row[argmax].exp()))
 
 
 #: One answered position: the full log-softmax (transformers), or the head of it (vLLM).
@@ -266,7 +290,14 @@ class MemberEngine(ABC):
     @property
     @abstractmethod
     def rolling_window(self) -> int:
-        """Tokens one loglikelihood_rolling window may predict (lm-eval's rule for the engine)."""
+        """Most tokens one scoring window predicts: the ``max_seq_len`` of lm-eval's rolling
+        windows for the engine, and the longest continuation a loglikelihood request may have."""
+
+    @property
+    @abstractmethod
+    def sequence_limit(self) -> int:
+        """Most ids a row's sequence may hold when a call asks for the distribution after its
+        last id (a verifier's prompt and text)."""
 
     @property
     def shares_prefixes(self) -> bool:

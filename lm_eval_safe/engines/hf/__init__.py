@@ -83,6 +83,10 @@ class HFEngine(MemberEngine):
 
     @property
     def rolling_window(self) -> int:
+        return self.member.max_length  # HFLM: a window of max_length + 1 ids, the last not fed
+
+    @property
+    def sequence_limit(self) -> int:
         return self.member.max_length
 
     @property

@@ -10,8 +10,12 @@ call per member for all the requests in the batch.
 - a full distribution, where a decision needs one, is ``logprobs=-1`` at that position.
 
 Rows are :class:`~lm_eval_safe.engines.base.TopLogprobs` heads; :mod:`lm_eval_safe.certified`
-decides from them exactly or asks for the full distribution. What vLLM on this package's
-supported versions needs, and what a CPU build does differently, is in :mod:`.args`.
+decides from them exactly or asks for the full distribution, which is computed again in another
+request and taken as the distribution its head describes
+(:func:`~lm_eval_safe.engines.base.consistent_row`). Both are vLLM's log-probs as returned,
+lm-eval vllm's numbers: over the model's whole output layer, the ids past the tokenizer dropped
+with their mass. What vLLM on this package's supported versions needs, and what a CPU build does
+differently, is in :mod:`.args`.
 """
 
 from __future__ import annotations
@@ -20,7 +24,16 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lm_eval_safe.engines.base import EngineBatch, MemberEngine, TopLogprobs
+import torch
+
+from lm_eval_safe.engines.base import EngineBatch, MemberEngine, TopLogprobs, head_of
+
+
+def float32_exp(logprob: float) -> float:
+    """``exp`` of a float32 log-prob in float32, as a full row's ``row.max().exp()``: the GaC
+    gate and the threshold schedule compare it with 0.5, where float32 and float64 may round a
+    log-prob next to log(0.5) to opposite sides."""
+    return float(torch.tensor(logprob, dtype=torch.float32).exp())
 
 #: Engines running inside this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the CPU default):
 #: they share vLLM's process-wide distributed state, which an engine's shutdown tears down for
@@ -70,24 +83,51 @@ class VLLMEngine(MemberEngine):
         base = {"detokenize": False, "flat_logprobs": True, "ignore_eos": True, "temperature": 0.0}
         return SamplingParams(**{**base, **settings})
 
-    def head(self, flat: Any, position: int, handle: Any = None) -> TopLogprobs:
-        """Position ``position`` of a flat log-prob list as a head: the token the engine was
-        asked about (sampled or given) comes first, then the top ``K`` by rank. Ids past the
-        tokenizer (padded embedding rows, as in Qwen) are not tokens and are dropped."""
+    def head(self, flat: Any, position: int, handle: Any = None) -> TopLogprobs | None:
+        """Position ``position`` of a flat log-prob list as a head, or None where the ids vLLM
+        returned cannot name the position's argmax.
+
+        vLLM returns the asked-about token (sampled or given) first, then its top ``K`` ids, with
+        equal values in the order its top-k kernel met them. The head orders them as
+        ``torch.argmax`` orders a full row (by value, equal values by id: the first of equal
+        maxima first) and takes ``max_probability`` in float32, as a full row's
+        ``row.max().exp()``. Ids past the tokenizer (padded embedding rows, as in Qwen) are not
+        tokens and are dropped with their mass: vLLM's log-probs are lm-eval vllm's numbers and
+        are not renormalised, here or in :meth:`full_row`. None: no listed id is a token, or every
+        listed token ties at the maximum, where an id vLLM did not list may tie too."""
         start, end = flat.start_indices[position], flat.end_indices[position]
-        ids, logprobs = flat.token_ids[start:end], flat.logprobs[start:end]
         vocab = len(self.member.tokenizer)
+        ids, logprobs = flat.token_ids[start:end], flat.logprobs[start:end]
         known = {t: lp for t, lp in zip(ids, logprobs, strict=True) if t < vocab}
-        top = [(t, lp) for t, lp in zip(ids[1:], logprobs[1:], strict=True) if t < vocab]
-        if not top:  # K=0: the asked-about token alone
-            top = [(ids[0], logprobs[0])]
-        return TopLogprobs([t for t, _ in top], [lp for _, lp in top], known, handle)
+        listed = {t: known[t] for t in ids[1:] if t < vocab}
+        if not listed:
+            return None
+        best = max(listed.values())
+        argmax = min(t for t, lp in known.items() if lp == best)  # the asked id may tie, unlisted
+        ranked = sorted({**listed, argmax: best}.items(), key=lambda item: (-item[1], item[0]))
+        if len(known) < vocab and ranked[-1][1] == best:
+            return None
+        top_ids, top_logprobs = [t for t, _ in ranked], [lp for _, lp in ranked]
+        return TopLogprobs(top_ids, top_logprobs, known, handle, float32_exp(best))
 
-    def full_row(self, flat: Any, position: int) -> Any:
-        """A ``logprobs=-1`` position as the log-softmax over the tokenizer's ids (renormalised
-        without padded rows, as the transformers engine computes it)."""
-        import torch
+    def row_head(self, row: torch.Tensor, asked: int, handle: Any) -> TopLogprobs:
+        """A head of :attr:`top` ids cut from a :meth:`full_row` (where :meth:`head` gave None),
+        knowing the asked-about id too when it is a token (-1: none was asked about)."""
+        argmax = int(torch.argmax(row))
+        known = {t: float(row[t]) for t in {argmax, asked} if 0 <= t < row.numel()}
+        return head_of(row, self.top, TopLogprobs([argmax], [known[argmax]], known, handle))
 
+    def token_score(self, flat: Any, position: int) -> tuple[float, bool]:
+        """The given token's log-prob at a ``prompt_logprobs=1`` position and whether it is
+        greedy, by lm-eval vllm's rule: its log-prob is at least that of vLLM's most probable id
+        (a tie counts as greedy; a padded id counts, as lm-eval reads it)."""
+        start = flat.start_indices[position]
+        token_logprob = flat.logprobs[start]
+        return token_logprob, token_logprob >= flat.logprobs[start + 1]
+
+    def full_row(self, flat: Any, position: int) -> torch.Tensor:
+        """A ``logprobs=-1`` position as vLLM's log-probs over the tokenizer's ids (-inf at no id;
+        not renormalised, as :meth:`head`)."""
         start, end = flat.start_indices[position], flat.end_indices[position]
         vocab = len(self.member.tokenizer)
         values = torch.full((vocab,), -math.inf, dtype=torch.float32)
@@ -95,7 +135,7 @@ class VLLMEngine(MemberEngine):
         lps = torch.tensor(flat.logprobs[start + 1 : end], dtype=torch.float32)
         inside = ids < vocab
         values[ids[inside]] = lps[inside]
-        return torch.log_softmax(values, dim=-1)
+        return values
 
     # -- MemberEngine ------------------------------------------------------------------
     def new_batch(self) -> EngineBatch:
@@ -116,7 +156,15 @@ class VLLMEngine(MemberEngine):
 
     @property
     def rolling_window(self) -> int:
-        return self.member.max_length - 1  # lm-eval's vllm: the window's last token is scored
+        """lm-eval's vllm: ``max_length - 2`` (a window and its context id within
+        :attr:`sequence_limit`)."""
+        return self.member.max_length - 2
+
+    @property
+    def sequence_limit(self) -> int:
+        """vLLM refuses a prompt that fills ``max_model_len`` (it generates at least one token),
+        so a sequence whose next-token distribution is read holds one id fewer."""
+        return self.member.max_length - 1
 
     @property
     def shares_prefixes(self) -> bool:
@@ -133,6 +181,9 @@ class VLLMEngine(MemberEngine):
         return {"engine": self.kind, "engine_args": shown}
 
     def identity(self) -> dict[str, Any]:
-        # another engine's kernels round differently: near-ties may flip, so answers are kept
-        # apart from the transformers engine's in --use_cache
-        return {"engine": self.kind, "quantization": self.settings.get("quantization")}
+        """The engine (another engine's kernels round differently: near-ties may flip, so its
+        answers are kept apart from the transformers engine's in ``--use_cache``) and every
+        engine argument that can change an answer (:func:`.args.result_arguments`)."""
+        from lm_eval_safe.engines.vllm.args import result_arguments
+
+        return {"engine": self.kind, "engine_args": result_arguments(self.settings)}

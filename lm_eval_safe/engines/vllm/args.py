@@ -23,6 +23,7 @@ Defaults that differ from vLLM's, each only where the user did not set it:
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from collections.abc import Sequence
@@ -52,6 +53,40 @@ OWN_KEYS = {
 }
 #: lm-eval's ``vllm`` names for EngineArgs fields.
 ALIASES = {"max_batch_size": "max_num_seqs", "max_length": "max_model_len"}
+#: EngineArgs fields with the one value this package reads right: vLLM's log-probs must be the
+#: model's log-softmax (``raw_logits`` would be logits read as log-probs, ``processed_*`` the
+#: request's temperature and top-k/top-p applied before the decoder applies them again).
+REQUIRED = {"logprobs_mode": "raw_logprobs"}
+#: EngineArgs fields that change how fast, where, or in how much memory a member runs, never
+#: what it answers: left out of the ``--use_cache`` identity (:func:`result_arguments`), as the
+#: options ``batch_size`` and ``device`` are. Every other field a run sets is part of it.
+NEUTRAL = frozenset(
+    {
+        "async_scheduling",
+        "block_size",
+        "cpu_offload_gb",
+        "data_parallel_size",
+        "disable_custom_all_reduce",
+        "disable_log_stats",
+        "distributed_executor_backend",
+        "download_dir",
+        "enable_chunked_prefill",
+        "enable_prefix_caching",
+        "enforce_eager",
+        "gpu_memory_utilization",
+        "kv_cache_memory_bytes",
+        "max_logprobs",
+        "max_num_batched_tokens",
+        "max_num_seqs",
+        "max_parallel_loading_workers",
+        "pipeline_parallel_size",
+        "seed",  # sampled drafts carry their own seeds
+        "tensor_parallel_size",
+        "use_tqdm_on_load",
+    }
+)
+#: Settings the member's identity holds already (its weights, dtype) or the options do.
+KEYED_ELSEWHERE = frozenset({"model", "dtype", "trust_remote_code"})
 
 
 def vllm_version() -> str:
@@ -84,10 +119,19 @@ def engine_fields() -> dict[str, Any]:
     return {f.name: f for f in dataclasses.fields(EngineArgs)}
 
 
-def _typed(value: Any) -> Any:
+def _typed(key: str, value: Any) -> Any:
+    """A value as lm-eval types its model_args (``true``, ``0.4``), a JSON object as a dict
+    (``hf_overrides={"rope_theta": 1000000}``: lm-eval's parser has no dicts)."""
     from lm_eval.utils import handle_arg_string
 
-    return handle_arg_string(value) if isinstance(value, str) else value
+    if not isinstance(value, str):
+        return value
+    if value.lstrip().startswith("{"):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise OptionError(f"{key}={value!r} is not a JSON object ({exc.msg}); write it as {{\"key\": value}}") from None
+    return handle_arg_string(value)
 
 
 def member_engine_args(raw: dict[str, Any], vllm_members: int) -> list[dict[str, Any]]:
@@ -117,8 +161,29 @@ def member_engine_args(raw: dict[str, Any], vllm_members: int) -> list[dict[str,
                 "one value for all, or one per vLLM member (a|b), in member order"
             )
         for args, item in zip(per_member, values, strict=True):
-            args[name] = _typed(item)
+            args[name] = _typed(key, item)
+            if name in REQUIRED and args[name] != REQUIRED[name]:
+                raise OptionError(
+                    f"{key}={args[name]} is not supported: safe-ensemble reads vLLM's log-probs as "
+                    f"the model's log-softmax, which vLLM returns with {name}={REQUIRED[name]} (its "
+                    "default); drop the argument"
+                )
     return per_member
+
+
+def result_arguments(settings: dict[str, Any]) -> dict[str, Any]:
+    """The engine arguments a member's answers depend on (its ``--use_cache`` identity): every
+    setting but the :data:`NEUTRAL` ones, those keyed elsewhere, and those at vLLM's default."""
+    fields = engine_fields()
+    chosen = {}
+    for key, value in settings.items():
+        if key in NEUTRAL or key in KEYED_ELSEWHERE:
+            continue
+        field = fields.get(key)
+        if field is not None and field.default is not dataclasses.MISSING and field.default == value:
+            continue
+        chosen[key] = value
+    return chosen
 
 
 def is_cpu_platform() -> bool:

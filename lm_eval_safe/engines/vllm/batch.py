@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from lm_eval_safe.engines.base import (
     Call,
     Complete,
@@ -23,6 +25,7 @@ from lm_eval_safe.engines.base import (
     EngineBatch,
     Forward,
     TopLogprobs,
+    consistent_row,
     head_of,
 )
 from lm_eval_safe.members import Member
@@ -66,7 +69,12 @@ class VLLMBatch(EngineBatch):
         """Every row's window in one request: ``max_tokens=n``, ``logprobs=K``, greedy or with
         the request's temperature/top-k/top-p and a seed drawn from its own random stream (vLLM
         restarts a request's stream when it is submitted again, so each window gets a fresh
-        seed, never the same one twice)."""
+        seed, never the same one twice).
+
+        vLLM draws from the model's whole output layer, padded rows included; a padded id is no
+        token, so the window ends there and that id is replaced by the argmax of the position's
+        full row over the tokenizer's ids, or a draw from it with the request's sampler (what
+        the transformers engine drafts: its rows hold the tokenizer's ids only)."""
         engine = self.engine
         prompts, params, order = [], [], []
         for row, call in calls.items():
@@ -87,18 +95,41 @@ class VLLMBatch(EngineBatch):
             params.append(engine.params(**settings))
             order.append(row)
         outputs = engine.generate(prompts, params)
+        vocab = len(engine.member.tokenizer)
         drafted: dict[int, Drafted] = {}
+        missing: list[tuple[int, int]] = []  # (row, index) of positions read from a full row
         for row, prompt, output in zip(order, prompts, outputs, strict=True):
             completion = output.outputs[0]
             tokens = list(completion.token_ids)
+            padded = next((i for i, t in enumerate(tokens) if t >= vocab), None)
+            if padded is not None:  # the tokens after a padded id were drafted from it
+                tokens = tokens[: padded + 1]
             sequence = prompt + tokens
             self.rows[row] = sequence
             flat = completion.logprobs
-            rows = [
-                engine.head(flat, i, (sequence, len(prompt) + i)) for i in range(len(tokens))
-            ]
-            drafted[row] = Drafted(tokens, rows)
+            rows = [engine.head(flat, i, (sequence, len(prompt) + i)) for i in range(len(tokens))]
+            missing += [(row, i) for i, head in enumerate(rows) if head is None or i == padded]
+            drafted[row] = Drafted(tokens, rows)  # type: ignore[arg-type]
+        places = [(self.rows[r], len(self.rows[r]) - len(drafted[r].tokens) + i) for r, i in missing]
+        for (row, i), place, full in zip(missing, places, self._full_rows(places), strict=True):
+            draft, sequence, position = drafted[row], *place
+            if draft.tokens[i] >= vocab:
+                sampler = calls[row].sampler
+                token = int(torch.argmax(full)) if sampler is None else sampler.sample(full)
+                draft.tokens[i] = sequence[position] = token
+            draft.rows[i] = engine.row_head(full, draft.tokens[i], place)
         return drafted
+
+    def _full_rows(self, places: list[tuple[list[int], int]]) -> list[torch.Tensor]:
+        """The full distribution (:meth:`VLLMEngine.full_row`) predicting each ``(sequence,
+        position)``: one request per position, ``sequence[:position]`` with ``logprobs=-1``."""
+        if not places:
+            return []
+        engine = self.engine
+        prompts = [sequence[:position] for sequence, position in places]
+        outputs = engine.generate(prompts, [engine.params(max_tokens=1, logprobs=-1) for _ in places])
+        engine.counters.full_rows += len(places)
+        return [engine.full_row(output.outputs[0].logprobs, 0) for output in outputs]
 
     # -- scores ----------------------------------------------------------------------------
     def _score(self, calls: dict[int, Forward]) -> dict[int, list[TopLogprobs]]:
@@ -153,25 +184,27 @@ class VLLMBatch(EngineBatch):
             todo = retry
         if todo:
             raise RuntimeError("vLLM returned prompt log-probs from its prefix cache three times")
-        return found
+        unnamed = [(key, p) for key, heads in found.items() for p, head in heads.items() if head is None]
+        places = [(requests[key][0], p) for key, p in unnamed]
+        for (key, p), place, full in zip(unnamed, places, self._full_rows(places), strict=True):
+            sequence = place[0]
+            found[key][p] = engine.row_head(full, sequence[p] if p < len(sequence) else -1, place)
+        return found  # type: ignore[return-value]
 
     # -- full distributions ----------------------------------------------------------------
     def _complete(self, calls: dict[int, Complete]) -> dict[int, list[Any]]:
-        engine = self.engine
-        prompts, params, where = [], [], []
+        places: list[tuple[list[int], int]] = []
+        where: list[tuple[int, int]] = []
         for row, call in calls.items():
             for i, head in enumerate(call.rows):
-                sequence, position = head.handle
-                prompts.append(sequence[:position])
-                params.append(engine.params(max_tokens=1, logprobs=-1))
+                places.append(head.handle)
                 where.append((row, i))
-        outputs = engine.generate(prompts, params)
-        engine.counters.full_rows += len(prompts)
         results: dict[int, list[Any]] = {row: [None] * len(call.rows) for row, call in calls.items()}
-        for (row, i), output in zip(where, outputs, strict=True):
-            full = engine.full_row(output.outputs[0].logprobs, 0)
+        for (row, i), full in zip(where, self._full_rows(places), strict=True):
+            head = calls[row].rows[i]
+            full = consistent_row(full, head)  # computed again: the head's values, within its bounds
             top = calls[row].top  # a wider head (vLLM's heads are top_logprobs wide already)
-            results[row][i] = full if not top else head_of(full, top, calls[row].rows[i])
+            results[row][i] = full if not top else head_of(full, top, head)
         return results
 
 

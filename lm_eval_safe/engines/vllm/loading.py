@@ -4,7 +4,8 @@ tokenizer and config files in this process, and the engine itself (``vllm.LLM``)
 vLLM's own failures that a user can fix are turned into one line naming the member and the
 setting: an architecture it cannot run (keep that member on transformers with ``engines=``), a
 KV cache that does not fit (``gpu_memory_utilization``, ``kv_cache_memory_bytes``,
-``max_model_len``).
+``max_model_len``), an argument's value vLLM refuses (``max_length`` above the model's own
+limit, a type, range or choice its configs do not accept).
 """
 
 from __future__ import annotations
@@ -69,6 +70,46 @@ def _engine_error(spec: str, exc: Exception) -> OptionError | None:
     return None
 
 
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _argument_error(spec: str, exc: Exception, args: dict[str, Any]) -> OptionError | None:
+    """vLLM's refusal of an engine argument in one line naming the member, the argument and
+    vLLM's reason: its configs' validation (pydantic: a type, a range, a choice; a
+    ``max_model_len`` above what the model allows), or a ``ValueError``/``TypeError`` whose text
+    names an argument given (``block_size=7``: "No common block size for 7")."""
+    from pydantic import ValidationError
+
+    from lm_eval_safe.engines.vllm.args import vllm_version
+
+    refused = f"member {spec!r}: vLLM {vllm_version()} refused"
+    if isinstance(exc, ValidationError):
+        errors = exc.errors()
+        for error in errors:
+            reason = _one_line(str(error["msg"]).removeprefix("Value error, "))
+            if "User-specified max_model_len" in reason and "max_model_len" in args:
+                first = reason.split(". ")[0]
+                return OptionError(
+                    f"{refused} max_length={args['max_model_len']}: {first}; give a smaller max_length="
+                )
+            given = [k for k, v in args.items() if type(v) is type(error.get("input")) and v == error.get("input")]
+            if given:
+                return OptionError(f"{refused} {given[0]}={args[given[0]]!r}: {reason}; change or drop {given[0]}=")
+        first_error = errors[0]
+        where = ".".join(str(part) for part in first_error["loc"])
+        return OptionError(
+            f"{refused} its engine arguments ({where}: {_one_line(str(first_error['msg']))}); check "
+            "the vLLM arguments in model_args"
+        )
+    if isinstance(exc, (ValueError, TypeError)):
+        text = _one_line(str(exc))
+        named = [k for k in args if k in text or k.replace("_", " ") in text.lower()]
+        if named:
+            return OptionError(f"{refused} {named[0]}={args[named[0]]!r}: {text}; change or drop {named[0]}=")
+    return None
+
+
 def load_vllm_member(
     spec: str,
     *,
@@ -121,11 +162,18 @@ def load_vllm_member(
         # not support) fail here, naming the member, not at the first request of a run
         prompt = [tokenizer.bos_token_id or 0, tokenizer.eos_token_id or 0]
         llm.generate([{"prompt_token_ids": prompt}], engine.params(max_tokens=1), use_tqdm=False)
-    except (ValueError, RuntimeError, NotImplementedError, AssertionError) as exc:
-        error = _engine_error(spec, exc)
+    except (ValueError, TypeError, RuntimeError, NotImplementedError, AssertionError) as exc:
+        from pydantic import ValidationError
+
+        given = {k: v for k, v in settings.items() if k not in ("model", "dtype", "trust_remote_code")}
+        if not isinstance(exc, ValidationError):
+            error = _engine_error(spec, exc)
+            if error is not None:
+                raise error from exc
+        error = _argument_error(spec, exc, given)
         if error is None:
             raise
-        raise error from exc
+        raise error from None  # the line says all there is: vLLM's reason and the argument
     return Member(
         source=source,
         tokenizer=tokenizer,
@@ -151,6 +199,7 @@ def plan_vllm_members(
     ``tensor_parallel_size``); in a data-parallel run (lm-eval's launcher, one process per rank)
     rank r's members take GPUs r*tp to (r+1)*tp-1; otherwise vLLM chooses. On a CPU build the
     environment of :func:`.args.cpu_environment` is set where the user has not set it."""
+    from lm_eval_safe.certified import head_width
     from lm_eval_safe.engines.vllm.args import (
         apply_defaults,
         cpu_environment,
@@ -200,6 +249,6 @@ def plan_vllm_members(
         if chosen:
             logger.info("vLLM on CPU: %s (set them to choose otherwise)", chosen)
     return [
-        {"engine_args": a, "gpus": g, "top_logprobs": options.top_logprobs}
+        {"engine_args": a, "gpus": g, "top_logprobs": head_width(options.top_logprobs, options.top_k)}
         for a, g in zip(args, gpus, strict=True)
     ]

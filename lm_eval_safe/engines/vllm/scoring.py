@@ -1,6 +1,7 @@
 """One vLLM member's token scores of given continuations, as lm-eval's ``vllm`` backend computes
-them: ``context + continuation`` left-truncated to the window, ``prompt_logprobs=1``, a token
-greedy when it is the position's most probable id.
+them: ``context + continuation`` left-truncated to ``max_length - 1`` ids (vLLM refuses a prompt
+that fills its window), ``prompt_logprobs=1``, a token greedy when its log-prob is at least that of
+the position's most probable id.
 
 Requests run in the order of their ids, so those sharing a context (the choices of a question,
 few-shot exemplars) follow one another and read it from vLLM's prefix cache. A row read from
@@ -26,7 +27,7 @@ def score_tokens(
     batch_size: int | str,
     progress: Callable[[int], Any] | None = None,
 ) -> list[tuple[list[float], list[bool]]]:
-    limit = engine.member.max_length
+    limit = engine.sequence_limit
     windows: list[tuple[list[int], int]] = []
     for index, (ctx, cont) in enumerate(pairs):
         check_pair(engine.member, index, ctx, cont)
@@ -64,13 +65,8 @@ def _score_chunk(
             if int(output.num_cached_tokens or 0) > start - 1:
                 retry.append((index, (ids, start)))
                 continue
-            flat = output.prompt_logprobs
-            logprobs, greedy = [], []
-            for position in range(start, len(ids)):
-                head = engine.head(flat, position)
-                logprobs.append(head.known[ids[position]])
-                greedy.append(head.argmax == ids[position])
-            out[index] = (logprobs, greedy)
+            scores = [engine.token_score(output.prompt_logprobs, p) for p in range(start, len(ids))]
+            out[index] = ([lp for lp, _ in scores], [greedy for _, greedy in scores])
         todo = retry
     if todo:
         raise RuntimeError("vLLM read the prefix cache of a request told not to")
