@@ -14,7 +14,7 @@ import pytest
 from helpers import gen_request, make_lm, random_prompts
 from lm_eval.api.instance import Instance
 
-from lm_eval_safe import model as model_module
+from lm_eval_safe import engines
 from lm_eval_safe.errors import OptionError
 
 
@@ -115,7 +115,7 @@ def test_a_corrupt_gguf_member_is_named_before_any_member_loads(
     def no_loading(*_: Any, **__: Any) -> None:
         raise AssertionError("a member was loaded before every member's file was checked")
 
-    monkeypatch.setattr(model_module, "load_member", no_loading)
+    monkeypatch.setattr(engines, "load_member", no_loading)
     with pytest.raises(OptionError) as info:
         make_lm(tiny_bpe_dir, broken)
     text = str(info.value)
