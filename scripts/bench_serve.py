@@ -16,7 +16,7 @@ EOS at once, which would flatter every ratio) or lm-eval's task prompts:
    subtask (``num_concurrent=--clients``), against ``--model safe-ensemble`` at
    ``batch_size=--clients``: equal responses and metrics.
 
-Example (about 15 minutes on 2 CPU cores)::
+Example (about 8 minutes on 2 idle CPU cores)::
 
     .venv/bin/python scripts/bench_serve.py --questions 16 --max-tokens 64 --clients 8 \\
         --json benchmarks/serve/bench_serve.json
