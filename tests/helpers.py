@@ -64,7 +64,7 @@ def parse_lm_eval_command(argv: list[str]) -> dict[str, Any]:
 
         args = vars(setup_parser().parse_args(argv[1:]))
         args["gen_kwargs"] = simple_parse_args_string(args["gen_kwargs"])
-        args["tasks"] = args["tasks"].split(",")
+        args["tasks"] = args["tasks"].split(",") if args["tasks"] else None
     args["model_args"] = parse_model_args(args["model_args"])
     return args
 

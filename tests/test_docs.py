@@ -195,9 +195,10 @@ def check_lm_eval(argv: list[str]) -> None:
             args = parse_lm_eval_command(["lm_eval", *argv])
     except SystemExit as exc:
         raise AssertionError(f"lm_eval refuses its arguments ({exc.code}): {err.getvalue().strip()}") from None
-    if args.get("model") == "safe-ensemble":
+    assert args["tasks"], "lm_eval runs nothing without --tasks"
+    if args["model"] == "safe-ensemble":
         check_safe_ensemble_args(args["model_args"])
-    for task in args.get("tasks") or []:
+    for task in args["tasks"]:
         if task.startswith("safe_"):
             assert task in task_names(), f"no task {task!r} in tasks/"
 
