@@ -24,7 +24,9 @@ class GenerationStats:
     misaligned_ensembles: int = 0  # every/threshold baselines: ensembles at OOV-like positions
     sampled_requests: int = 0  # requests decoded by sampling (the rest are greedy)
     stopped_requests: int = 0  # requests that ended at EOS or a stop string (the rest: budget)
-    prefill_tokens: int = 0  # prompt tokens of every member (generation and scoring contexts)
+    # prompt tokens of every member (generation and scoring contexts; vLLM: every id submitted,
+    # a resumable request's chunk included)
+    prefill_tokens: int = 0
     prefill_tokens_saved: int = 0  # of those, states taken from the shared-prefix store
     # engines answering with heads (top-K log-probs: vLLM): decisions settled from the heads
     # alone, and those that asked for the full distributions (lm_eval_safe.certified)
@@ -87,6 +89,11 @@ class GenerationStats:
             )
         tokens = self.generated_tokens
         data["engine_calls_per_token"] = round(self.engine_calls / tokens, 4) if tokens else 0.0
+        # what a re-submitting engine pays whatever its hardware: ids sent to the members'
+        # engines, and of those the ones run through a model (not read from a prefix cache)
+        computed = self.prefill_tokens - self.prefill_tokens_saved
+        data["submitted_tokens_per_token"] = round(self.prefill_tokens / tokens, 4) if tokens else 0.0
+        data["computed_prefill_per_token"] = round(computed / tokens, 4) if tokens else 0.0
         host = max(0.0, self.wall_seconds - self.engine_seconds)
         data["host_ms_per_token"] = round(1000 * host / tokens, 3) if tokens else 0.0
         data["engine_seconds"] = round(self.engine_seconds, 3)

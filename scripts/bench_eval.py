@@ -309,6 +309,18 @@ def markdown(report: dict[str, Any]) -> str:
         ref = statistics.median(walls[base]) if walls.get(base) else None
         al = statistics.median(walls["alone"]) if walls.get("alone") else None
         lines.append(f"| {LABELS[name]} | {med:.1f} | {fmt(med / ref if ref else None)} | {fmt(med / al if al else None)} |")
+    costs = [(name, report["safe_stats"][name]) for name in RUNS if name in report.get("safe_stats", {})]
+    if costs:
+        lines += [
+            "",
+            "| run | generated tokens | submitted tokens / token | computed prefill / token | engine calls / token |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {LABELS[name]} | {s['generated_tokens']} | {s['submitted_tokens_per_token']:.1f} "
+            f"| {s['computed_prefill_per_token']:.2f} | {s['engine_calls_per_token']:.3f} |"
+            for name, s in costs
+        ]
     for key in ("alone_responses_equal_hf", "alone_responses_equal_lm_eval_vllm", "ensemble_responses_equal_ensemble_hf"):
         if report.get(key):
             lines += ["", f"{key.replace('_', ' ')}: {report[key][0]}/{report[key][1]}"]

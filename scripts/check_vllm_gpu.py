@@ -113,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"INFO ensemble on vLLM / ensemble on transformers: {hf_ratio:.2f}")
         same = result["ensemble_responses_equal_ensemble_hf"]
         print(f"INFO responses equal between the engines: {same[0]}/{same[1]}")
+        for name in ("alone", "ensemble"):
+            stats = result["safe_stats"][name]
+            print(
+                f"INFO {name} on vLLM per generated token: {stats['submitted_tokens_per_token']:.1f} ids "
+                f"submitted, {stats['computed_prefill_per_token']:.2f} prefill ids computed"
+            )
     return 1 if failed else 0
 
 

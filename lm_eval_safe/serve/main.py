@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -136,7 +136,7 @@ def build(
     raw = parse_model_args(model_args)
     logger.info("loading the members (the first start converts GGUF weights: a minute or two)")
     lm = SafeEnsembleLM.create_from_arg_obj(raw)
-    rows = serving_rows(lm.options, raw)
+    rows = serving_rows(lm.options, raw, lm.members)
     joined = "+".join(m.name for m in lm.members)
     names = names or ["safe-ensemble", joined]
     scheduler = Scheduler(lm.decoder, rows)
@@ -158,9 +158,15 @@ def build(
     return Gate(build_app(state), api_key, max_body, metrics.on_http)
 
 
-def serving_rows(options: Any, raw: dict[str, Any]) -> int:
+def serving_rows(options: Any, raw: dict[str, Any], members: Sequence[Any] = ()) -> int:
     """Rows decoded together: ``batch_size`` when given as a number, else ``max_batch_size``
-    (default 64): continuous batching keeps the batch as full as the clients make it."""
+    (default 64), at most what vLLM members hold at once (their request slots, one kept free):
+    continuous batching keeps the batch as full as the clients make it."""
     if raw.get("batch_size") not in (None, "") and options.batch_size != "auto":
         return max(1, int(options.batch_size))
+    vllm_members = [m for m in members if m.engine.kind == "vllm"]
+    if vllm_members:
+        from lm_eval_safe.engines.vllm.batch import auto_generation_rows
+
+        return int(min(options.max_batch_size, auto_generation_rows(vllm_members, [])))
     return int(options.max_batch_size)

@@ -20,6 +20,7 @@ differently, is in :mod:`.args`.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,6 +28,9 @@ from typing import Any
 import torch
 
 from lm_eval_safe.engines.base import EngineBatch, MemberEngine, TopLogprobs, head_of
+from lm_eval_safe.engines.vllm.sessions import EngineSessions, unsupported
+
+logger = logging.getLogger(__name__)
 
 
 def float32_exp(logprob: float) -> float:
@@ -60,6 +64,12 @@ class VLLMEngine(MemberEngine):
 
         if not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
             _IN_PROCESS.append(llm)
+        why_not = unsupported(llm)
+        #: rows kept in the engine between calls (:mod:`.sessions`), or None: whole sequences
+        #: are re-submitted each call
+        self.sessions = EngineSessions(llm) if why_not is None else None
+        if why_not is not None:
+            logger.info("vLLM rows re-submit whole sequences each call: %s", why_not)
 
     # -- calls -------------------------------------------------------------------------
     def generate(self, prompts: Sequence[list[int]], params: Sequence[Any]) -> list[Any]:
@@ -67,6 +77,9 @@ class VLLMEngine(MemberEngine):
         prefix cache are counted as prefill tokens."""
         from vllm import TokensPrompt
 
+        if self.sessions is not None and prompts:  # paused sessions' KV is not vLLM's to evict
+            longest = max(len(p) for p in prompts)
+            self.sessions.make_room(self.sessions.blocks_for(longest + 1), ())
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], list(params), use_tqdm=False
         )
@@ -96,8 +109,14 @@ class VLLMEngine(MemberEngine):
         are not renormalised, here or in :meth:`full_row`. None: no listed id is a token, or every
         listed token ties at the maximum, where an id vLLM did not list may tie too."""
         start, end = flat.start_indices[position], flat.end_indices[position]
+        return self.position_head(flat.token_ids[start:end], flat.logprobs[start:end], handle)
+
+    def position_head(
+        self, ids: Sequence[int], logprobs: Sequence[float], handle: Any = None
+    ) -> TopLogprobs | None:
+        """:meth:`head` of one position given as vLLM's row: the asked-about id, then the top
+        ``K`` (a resumable request's rows come this way, not as a flat list)."""
         vocab = len(self.member.tokenizer)
-        ids, logprobs = flat.token_ids[start:end], flat.logprobs[start:end]
         known = {t: lp for t, lp in zip(ids, logprobs, strict=True) if t < vocab}
         listed = {t: known[t] for t in ids[1:] if t < vocab}
         if not listed:
@@ -174,6 +193,8 @@ class VLLMEngine(MemberEngine):
         return self.counters.prefill_tokens, self.counters.prefill_tokens_saved
 
     def forget_prefixes(self) -> None:
+        if self.sessions is not None:  # vLLM resets no cache while requests hold blocks
+            self.sessions.close_all()
         self.llm.reset_prefix_cache()
 
     def describe(self) -> dict[str, Any]:

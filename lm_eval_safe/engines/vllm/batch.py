@@ -28,6 +28,7 @@ from lm_eval_safe.engines.base import (
     consistent_row,
     head_of,
 )
+from lm_eval_safe.engines.vllm.session_rows import SessionRows, Window
 from lm_eval_safe.members import Member
 
 
@@ -35,13 +36,18 @@ class VLLMBatch(EngineBatch):
     def __init__(self, engine: Any):
         self.engine = engine
         self.rows: list[list[int]] = []
+        self.sessions = None if engine.sessions is None else SessionRows(engine, engine.sessions)
 
     def add_row(self) -> int:
         self.rows.append([])
+        if self.sessions is not None:
+            self.sessions.add_row()
         return len(self.rows) - 1
 
     def keep_rows(self, rows: list[int]) -> None:
         self.rows = [self.rows[r] for r in rows]
+        if self.sessions is not None:
+            self.sessions.keep_rows(rows)
 
     def _sequence(self, row: int, keep: int, ids: list[int]) -> list[int]:
         held = self.rows[row]
@@ -66,48 +72,44 @@ class VLLMBatch(EngineBatch):
 
     # -- drafts ----------------------------------------------------------------------------
     def _draft(self, calls: dict[int, Draft]) -> dict[int, Drafted]:
-        """Every row's window in one request: ``max_tokens=n``, ``logprobs=K``, greedy or with
-        the request's temperature/top-k/top-p and a seed drawn from its own random stream (vLLM
-        restarts a request's stream when it is submitted again, so each window gets a fresh
-        seed, never the same one twice).
+        """Every row's window: ``max_tokens=n``, ``logprobs=K``, greedy or with the request's
+        temperature/top-k/top-p and a seed drawn from its own random stream (each window gets a
+        fresh seed, never the same one twice). A row with a session (:mod:`.sessions`) sends the
+        ids it gained; the drafter alone, which stops at stop strings, and a batch without
+        sessions submit whole sequences.
 
         vLLM draws from the model's whole output layer, padded rows included; a padded id is no
         token, so the window ends there and that id is replaced by the argmax of the position's
         full row over the tokenizer's ids, or a draw from it with the request's sampler (what
         the transformers engine drafts: its rows hold the tokenizer's ids only)."""
         engine = self.engine
-        prompts, params, order = [], [], []
-        for row, call in calls.items():
-            prompts.append(self._sequence(row, call.keep, call.ids))
-            settings: dict[str, Any] = {
-                "max_tokens": call.n,
-                "logprobs": engine.top,
-                "stop_token_ids": sorted(call.stop_ids),
-            }
-            if call.until:  # vLLM then detokenizes to find them
-                settings.update(stop=list(call.until), detokenize=True)
-            sampler = call.sampler
-            if sampler is not None:
-                p = sampler.params
-                settings.update(
-                    temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=sampler.stream_seed()
-                )
-            params.append(engine.params(**settings))
-            order.append(row)
-        outputs = engine.generate(prompts, params)
+        sequences = {row: self._sequence(row, call.keep, call.ids) for row, call in calls.items()}
+        settings = {row: self._draft_settings(call) for row, call in calls.items()}
+        in_sessions = {r: c for r, c in calls.items() if self.sessions is not None and not c.until}
+        windows = self._resubmitted_windows(
+            {r: sequences[r] for r in calls if r not in in_sessions}, settings
+        )
+        if in_sessions:
+            assert self.sessions is not None
+            windows.update(
+                self.sessions.draft({r: (sequences[r], c.keep) for r, c in in_sessions.items()}, settings)
+            )
         vocab = len(engine.member.tokenizer)
         drafted: dict[int, Drafted] = {}
         missing: list[tuple[int, int]] = []  # (row, index) of positions read from a full row
-        for row, prompt, output in zip(order, prompts, outputs, strict=True):
-            completion = output.outputs[0]
-            tokens = list(completion.token_ids)
+        for row in calls:
+            prompt, tokens, positions = windows[row]
             padded = next((i for i, t in enumerate(tokens) if t >= vocab), None)
             if padded is not None:  # the tokens after a padded id were drafted from it
                 tokens = tokens[: padded + 1]
+                if self.sessions is not None:
+                    self.sessions.forget_after(row, len(prompt) + padded)
             sequence = prompt + tokens
             self.rows[row] = sequence
-            flat = completion.logprobs
-            rows = [engine.head(flat, i, (sequence, len(prompt) + i)) for i in range(len(tokens))]
+            rows = [
+                engine.position_head(*positions[i], (sequence, len(prompt) + i))
+                for i in range(len(tokens))
+            ]
             missing += [(row, i) for i, head in enumerate(rows) if head is None or i == padded]
             drafted[row] = Drafted(tokens, rows)  # type: ignore[arg-type]
         places = [(self.rows[r], len(self.rows[r]) - len(drafted[r].tokens) + i) for r, i in missing]
@@ -119,6 +121,47 @@ class VLLMBatch(EngineBatch):
                 draft.tokens[i] = sequence[position] = token
             draft.rows[i] = engine.row_head(full, draft.tokens[i], place)
         return drafted
+
+    def _draft_settings(self, call: Draft) -> dict[str, Any]:
+        settings: dict[str, Any] = {
+            "max_tokens": call.n,
+            "logprobs": self.engine.top,
+            "stop_token_ids": sorted(call.stop_ids),
+        }
+        if call.until:  # vLLM then detokenizes to find them
+            settings.update(stop=list(call.until), detokenize=True)
+        sampler = call.sampler
+        if sampler is not None:
+            p = sampler.params
+            settings.update(
+                temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=sampler.stream_seed()
+            )
+        return settings
+
+    def _resubmitted_windows(
+        self, sequences: dict[int, list[int]], settings: dict[int, dict[str, Any]]
+    ) -> dict[int, Window]:
+        """Windows of whole sequences submitted in one ``generate``."""
+        if not sequences:
+            return {}
+        engine = self.engine
+        order = list(sequences)
+        outputs = engine.generate(
+            [sequences[r] for r in order], [engine.params(**settings[r]) for r in order]
+        )
+        windows: dict[int, Window] = {}
+        for row, output in zip(order, outputs, strict=True):
+            completion = output.outputs[0]
+            flat = completion.logprobs
+            positions = [
+                (
+                    flat.token_ids[flat.start_indices[i] : flat.end_indices[i]],
+                    flat.logprobs[flat.start_indices[i] : flat.end_indices[i]],
+                )
+                for i in range(len(completion.token_ids))
+            ]
+            windows[row] = (sequences[row], list(completion.token_ids), positions)
+        return windows
 
     def _full_rows(self, places: list[tuple[list[int], int]]) -> list[torch.Tensor]:
         """The full distribution (:meth:`VLLMEngine.full_row`) predicting each ``(sequence,
@@ -134,23 +177,37 @@ class VLLMBatch(EngineBatch):
     # -- scores ----------------------------------------------------------------------------
     def _score(self, calls: dict[int, Forward]) -> dict[int, list[TopLogprobs]]:
         """The rows' wanted positions: inner ones from prompt log-probs, the one after a row's
-        last id from the request's single generated position."""
+        last id from the request's single generated position. Rows with sessions send the ids
+        they gained; a position a session's chunk did not compute is asked as a row without one
+        asks it."""
         wanted: dict[int, list[int]] = {}
         sequences: dict[int, list[int]] = {}
         for row, call in calls.items():
-            sequence = self._sequence(row, call.keep, call.ids)
-            sequences[row] = sequence
+            sequences[row] = self._sequence(row, call.keep, call.ids)
             wanted[row] = [call.keep + w + 1 for w in call.want]
-        answers = self._positions({row: (sequences[row], wanted[row]) for row in calls})
-        return {row: [answers[row][p] for p in wanted[row]] for row in calls}
+        answers: dict[int, dict[int, TopLogprobs | None]] = {row: {} for row in calls}
+        if self.sessions is not None:
+            found = self.sessions.score(
+                {row: (sequences[row], calls[row].keep, wanted[row]) for row in calls}
+            )
+            for row, heads in found.items():
+                answers[row].update(heads)
+        rest = {
+            row: (sequences[row], [p for p in wanted[row] if p not in answers[row]]) for row in calls
+        }
+        for row, heads in self._positions(rest).items():
+            answers[row].update(heads)
+        self._name_heads(sequences, answers)
+        return {row: [answers[row][p] for p in wanted[row]] for row in calls}  # type: ignore[misc]
 
     def _positions(
         self, requests: dict[int, tuple[list[int], list[int]]]
-    ) -> dict[int, dict[int, TopLogprobs]]:
+    ) -> dict[int, dict[int, TopLogprobs | None]]:
         """For each request ``(sequence, positions)``, the head predicting each position
-        (``len(sequence)``: the next token), valid under the prefix cache (module docstring)."""
+        (``len(sequence)``: the next token), valid under the prefix cache (module docstring);
+        None where vLLM's top ids cannot name the argmax."""
         engine = self.engine
-        found: dict[int, dict[int, TopLogprobs]] = {key: {} for key in requests}
+        found: dict[int, dict[int, TopLogprobs | None]] = {key: {} for key in requests}
         todo = [(key, seq, sorted(set(pos))) for key, (seq, pos) in requests.items() if pos]
         for attempt in range(3):
             if not todo:
@@ -184,12 +241,17 @@ class VLLMBatch(EngineBatch):
             todo = retry
         if todo:
             raise RuntimeError("vLLM returned prompt log-probs from its prefix cache three times")
+        return found
+
+    def _name_heads(
+        self, sequences: dict[int, list[int]], found: dict[int, dict[int, TopLogprobs | None]]
+    ) -> None:
+        """Heads cut from full rows where vLLM's top ids could not name a position's argmax."""
         unnamed = [(key, p) for key, heads in found.items() for p, head in heads.items() if head is None]
-        places = [(requests[key][0], p) for key, p in unnamed]
+        places = [(sequences[key], p) for key, p in unnamed]
         for (key, p), place, full in zip(unnamed, places, self._full_rows(places), strict=True):
             sequence = place[0]
-            found[key][p] = engine.row_head(full, sequence[p] if p < len(sequence) else -1, place)
-        return found  # type: ignore[return-value]
+            found[key][p] = self.engine.row_head(full, sequence[p] if p < len(sequence) else -1, place)
 
     # -- full distributions ----------------------------------------------------------------
     def _complete(self, calls: dict[int, Complete]) -> dict[int, list[Any]]:
@@ -210,5 +272,9 @@ class VLLMBatch(EngineBatch):
 
 def auto_generation_rows(members: list[Member], jobs: list[Any]) -> int:
     """``batch_size=auto`` for vLLM members: as many rows as each engine schedules at once
-    (its ``max_num_seqs``); vLLM's own scheduler holds what does not fit its KV cache."""
-    return min(m.engine.max_num_seqs for m in members)
+    (its ``max_num_seqs``), one fewer where rows are sessions (one request slot stays free for
+    a one-off request); vLLM's own scheduler holds what does not fit its KV cache."""
+    return min(
+        m.engine.max_num_seqs if m.engine.sessions is None else m.engine.sessions.capacity
+        for m in members
+    )
