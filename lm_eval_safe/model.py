@@ -268,6 +268,7 @@ class SafeEnsembleLM(LM):
         for member, (calls, seconds) in zip(self.members, engine_before, strict=True):
             call_stats.engine_calls += member.engine.counters.calls - calls
             call_stats.engine_seconds += member.engine.counters.seconds - seconds
+            call_stats.engine_seconds_by_member[member.name] = member.engine.counters.seconds - seconds
         self.run_stats.add(call_stats)
         self._count_prefill()
         if requests and self.decoder.schedule.needs_verifiers:

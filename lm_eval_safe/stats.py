@@ -41,6 +41,7 @@ class GenerationStats:
     # inside them: wall minus that is this package's own host work (run-wide, not per request)
     engine_calls: int = 0
     engine_seconds: float = 0.0
+    engine_seconds_by_member: dict[str, float] = field(default_factory=dict)  # where it went
     wall_seconds: float = 0.0
 
     def add(self, other: GenerationStats) -> None:
@@ -97,6 +98,7 @@ class GenerationStats:
         host = max(0.0, self.wall_seconds - self.engine_seconds)
         data["host_ms_per_token"] = round(1000 * host / tokens, 3) if tokens else 0.0
         data["engine_seconds"] = round(self.engine_seconds, 3)
+        data["engine_seconds_by_member"] = {k: round(v, 3) for k, v in self.engine_seconds_by_member.items()}
         data["wall_seconds"] = round(self.wall_seconds, 3)
         return data
 

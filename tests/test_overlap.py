@@ -118,6 +118,9 @@ def test_forward_counts_match_the_forwards_run(tiny_bpe_dir: Path, tiny_sp_dir: 
     assert stats["forward_depth"] == calls[drafter] + calls[verifier]
     assert stats["forward_depth"] >= stats["forward_depth_overlapped"] >= calls[drafter]
     assert stats["forward_depth_per_token"] == round(stats["forward_depth"] / stats["generated_tokens"], 4)
+    by_member = stats["engine_seconds_by_member"]
+    assert set(by_member) == {drafter, verifier} and min(by_member.values()) > 0
+    assert abs(sum(by_member.values()) - stats["engine_seconds"]) < 0.01
 
 
 def test_depth_model_on_hand_computed_timelines() -> None:

@@ -43,3 +43,23 @@ def test_vllm_members_behind_the_server(tiny_bpe_vllm_dir: Path, tiny_sp_vllm_di
         assert "".join(pieces) == alone(prompts[0], 20)
         models = json.loads(get(server.url + "/v1/models")[1])
         assert models["data"][0]["members"] == [tiny_bpe_vllm_dir.name, tiny_sp_vllm_dir.name]
+
+
+def test_rows_leave_a_vllm_request_slot_free(tiny_bpe_vllm_dir: Path, tiny_sp_vllm_dir: Path, tmp_path: Path) -> None:
+    """``max_batch_size=4`` gives vLLM members 4 request slots: the server decodes 3 rows at once
+    (a row's session holds a slot; one stays free for one-off requests), and a fourth client
+    waits for a row instead of stalling the engines."""
+    reference = make_lm(tiny_bpe_vllm_dir, tiny_sp_vllm_dir)
+    prompts = random_prompts(4, seed=19)
+    args = f"members={tiny_bpe_vllm_dir},{tiny_sp_vllm_dir},engine=vllm,max_batch_size=4,{VLLM_ARGS}"
+    with ServerProcess(args, log_dir=tmp_path) as server:
+        models = json.loads(get(server.url + "/v1/models")[1])
+        assert models["data"][0]["max_num_seqs"] == 3
+
+        def ask(prompt: str) -> Any:
+            return post(server.url + "/v1/completions", {"prompt": prompt, "max_tokens": 16, "temperature": 0})
+
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(ask, prompts))
+    want = reference.generate_until([gen_request(p, max_gen_toks=16) for p in prompts], disable_tqdm=True)
+    assert [body["choices"][0]["text"] for _, body in replies] == want

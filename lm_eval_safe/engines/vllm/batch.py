@@ -1,6 +1,8 @@
 """One vLLM member's rows in a generation batch: each row is the sequence of ids its calls built
-up; every call re-submits whole sequences in one ``generate`` and vLLM's prefix cache supplies
-what an earlier call computed.
+up. A row that is a session (:mod:`.session_rows`) sends only the ids it gained; otherwise (the
+drafter alone, which stops at stop strings; an engine where sessions cannot run; the positions a
+new session read from the prefix cache) a call re-submits whole sequences in one ``generate``
+and vLLM's prefix cache supplies what an earlier call computed.
 
 Prompt log-probs and the prefix cache: vLLM skips *reading* the prefix cache for a request that
 asks for prompt log-probs unless told otherwise, and when it reads it, the rows of positions it

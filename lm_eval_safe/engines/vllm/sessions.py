@@ -111,7 +111,6 @@ class EngineSessions:
 
     def __init__(self, llm: Any):
         engine = llm.llm_engine
-        self._llm = llm
         self._engine = engine
         self._client = engine.engine_core
         self._scheduler = _scheduler(engine)
