@@ -29,6 +29,7 @@ FORWARD_COUNTS = {
     "engine_calls",
     "engine_calls_per_token",
     "engine_seconds",
+    "engine_seconds_by_member",
     "host_ms_per_token",
 }
 
