@@ -41,13 +41,6 @@ from lm_eval_safe.engines.base import MASS_SLACK, TopLogprobs
 MARGIN = 1e-7
 
 
-def head_width(top_logprobs: int, top_k: int) -> int:
-    """Ids an engine's head holds: ``top_logprobs``, and at least one past ``top_k``. A head of
-    exactly ``top_k`` ids cannot name the top-k strings: an id it does not know may tie its
-    last one (:func:`_top_keys`), while one more id shows whether the k-th place is shared."""
-    return max(top_logprobs, top_k + 1)
-
-
 def as_head(view: View, k: int) -> View:
     """A full row as a head of ``k`` ids, so members on a transformers engine and on a head-only
     one decide together (``engines=hf,vllm``); heads stay as they are."""

@@ -22,9 +22,10 @@ from lm_eval_safe.aggregate import (
     unite,
     unite_distribution,
 )
-from lm_eval_safe.certified import as_head, certified_gac, certified_unite, head_width, short_heads
+from lm_eval_safe.certified import as_head, certified_gac, certified_unite, short_heads
 from lm_eval_safe.disk_cache import cache_root
 from lm_eval_safe.engines.base import Complete, is_full
+from lm_eval_safe.engines.spec import head_width
 from lm_eval_safe.members import Member
 from lm_eval_safe.options import SafeOptions
 from lm_eval_safe.sampling import RowSampler
@@ -101,7 +102,7 @@ class Ensembler:
 
     @property
     def head_width(self) -> int:
-        """Ids a head holds (:func:`~lm_eval_safe.certified.head_width`): an engine's, a widened
+        """Ids a head holds (:func:`~lm_eval_safe.engines.spec.head_width`): an engine's, a widened
         one, a full row's cut for a decision beside engine heads."""
         return head_width(self.options.top_logprobs, self.options.top_k)
 

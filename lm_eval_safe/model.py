@@ -16,17 +16,17 @@ from lm_eval_safe import __version__
 from lm_eval_safe.decoding import SafeDecoder
 from lm_eval_safe.distributed import AcceleratorView, ProcessGroup
 from lm_eval_safe.engines import generation_rows, load_members
-from lm_eval_safe.engines.hf.placement import (
-    LM_EVAL_CLI_DEFAULT_DEVICE,
-    plan_placement,
-    visible_hardware,
-)
 from lm_eval_safe.errors import OptionError
 from lm_eval_safe.generation_requests import EmptyResponses, JobBuilder, request_label
 from lm_eval_safe.loglikelihood import score_loglikelihood, score_rolling
 from lm_eval_safe.members import Member, chat_context
 from lm_eval_safe.model_args import parse_model_args, resolve_drafter_index
-from lm_eval_safe.options import SafeOptions, parse_options
+from lm_eval_safe.options import SafeOptions, known_keys, parse_options
+from lm_eval_safe.placement import (
+    LM_EVAL_CLI_DEFAULT_DEVICE,
+    plan_placement,
+    visible_hardware,
+)
 from lm_eval_safe.stats import GenerationStats
 from lm_eval_safe.tracing import TraceWriter, new_stamp, repeat_indices
 from lm_eval_safe.use_cache import cache_identity, cache_namespace, use_cache_table
@@ -157,7 +157,7 @@ class SafeEnsembleLM(LM):
         lm-eval's CLI passes ``device="cuda:0"`` even when ``--device`` was not typed, so that
         value from the CLI means ``auto`` (cuda if visible, else cpu); any other CLI device, and
         every device in model_args, is checked and fails in one line when the machine lacks it."""
-        args = parse_model_args(arg_dict)
+        args = parse_model_args(arg_dict, known_keys())
         for key, value in (additional_config or {}).items():
             if key == "device" and value == LM_EVAL_CLI_DEFAULT_DEVICE:
                 continue

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+from collections.abc import Collection
 from typing import Any
 
 from lm_eval_safe.errors import OptionError
@@ -59,20 +60,21 @@ def fold_bare_items(items: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def parse_model_args(model_args: str | dict[str, Any] | None) -> dict[str, Any]:
+def parse_model_args(
+    model_args: str | dict[str, Any] | None, known: Collection[str] = ()
+) -> dict[str, Any]:
     """The one parser of ``--model_args``, for the model, the CLI hook and run names.
 
     A string is ``key=value`` pairs (``members=a,b,drafter=b``: a bare item continues the value
     before it, so the user's literal ``members=a,b`` works) or a JSON object. A dict is taken as
     it is, except that the bare items of lm-eval's plain parser (``{"members": "a", "b": ""}``)
-    are folded back into ``members``."""
+    are folded back into ``members``: every empty-valued key that is not among ``known`` (the
+    option names, :func:`lm_eval_safe.options.known_keys`, which the model passes: this module
+    sits below the options, which read their lists with it)."""
     if model_args is None:
         return {}
     if isinstance(model_args, dict):
         args = dict(model_args)
-        from lm_eval_safe.options import known_keys  # options reads its lists with this module
-
-        known = known_keys()
         bare = [k for k, v in args.items() if v == "" and k not in known]
         if bare and "members" in args:
             args["members"] = ",".join([str(args["members"]), *bare])
@@ -115,6 +117,31 @@ def split_list(value: Any, what: str) -> list[str]:
         return split_list(list(parsed), what)
     sep = "|" if "|" in text else ","
     return [part.strip() for part in text.split(sep) if part.strip()]
+
+
+def as_bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise OptionError(f"{key}={value!r} must be true or false")
+
+
+def as_number(value: Any, key: str, kind: type) -> Any:
+    try:
+        return kind(value)
+    except (TypeError, ValueError) as exc:
+        raise OptionError(f"{key}={value!r} must be a {kind.__name__}") from exc
+
+
+def choice(value: Any, key: str, choices: tuple[str, ...]) -> str:
+    text = str(value).strip().lower()
+    if text not in choices:
+        raise OptionError(f"unknown {key}={value!r}; choose one of: {', '.join(choices)}")
+    return text
 
 
 def member_display_name(spec: str) -> str:

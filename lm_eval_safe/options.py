@@ -11,35 +11,17 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from lm_eval_safe.engines import engine, engines
+from lm_eval_safe.engines.registry import DEFAULT_ENGINE, engine_names
 from lm_eval_safe.errors import OptionError
-from lm_eval_safe.model_args import resolve_drafter_index, split_list
+from lm_eval_safe.model_args import as_bool, as_number, choice, resolve_drafter_index, split_list
 
 SCHEDULES = ("safe", "every", "aligned", "threshold", "drafter")
 AGGREGATORS = ("gac", "unite")
 SHARPENINGS = ("heuristic", "geometric", "none")
 LL_AGGREGATES = ("mean", "logmean")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
-FAST_SMALL_LINEAR = ("auto", "on", "off")
 OVERLAP = ("auto", "on", "off")
-ENGINES = ("hf", "vllm")  # lm_eval_safe.engines
-
-
-def _as_bool(value: Any, key: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off", ""):
-        return False
-    raise OptionError(f"{key}={value!r} must be true or false")
-
-
-def _as_number(value: Any, key: str, kind: type) -> Any:
-    try:
-        return kind(value)
-    except (TypeError, ValueError) as exc:
-        raise OptionError(f"{key}={value!r} must be a {kind.__name__}") from exc
 
 
 def parse_batch_size(value: Any) -> int | str:
@@ -72,13 +54,6 @@ def parse_seed(value: Any) -> int:
     return int(text)
 
 
-def _choice(value: Any, key: str, choices: tuple[str, ...]) -> str:
-    text = str(value).strip().lower()
-    if text not in choices:
-        raise OptionError(f"unknown {key}={value!r}; choose one of: {', '.join(choices)}")
-    return text
-
-
 @dataclass
 class SafeOptions:
     """All knobs of the backend, with the paper's best setting as defaults (UniTE+SAFE)."""
@@ -105,24 +80,31 @@ class SafeOptions:
     cache_dir: str | None = None
     verifier_cache: bool = True
     add_bos_token: bool | None = None
-    fast_small_linear: str = "auto"
     overlap: str = "auto"  # verifier forwards beside the next draft (overlap.py)
-    prefix_cache_mb: float = 256.0
     seed: int | None = None  # sampling: None = lm-eval's torch seed (torch.initial_seed())
     trace: bool = False  # a JSON line per response: where the ensemble acted (tracing.py)
     trace_dir: str | None = None  # where traces go (default: lm-eval's samples folder)
-    engine: str = "hf"  # what computes every member (lm_eval_safe.engines)
+    engine: str = DEFAULT_ENGINE  # what computes every member (lm_eval_safe.engines.registry)
     engines: list[str] | None = None  # or one engine per member
-    top_logprobs: int = 20  # log-probs per position an engine that returns heads gives (vLLM)
-    # model_args for vLLM members' engines (lm-eval vllm's names, EngineArgs fields): checked
-    # against the installed vLLM when the model is built (engines/vllm/args.py)
+    top_logprobs: int = 20  # log-probs per position an engine that returns heads gives
+    # model_args no option claims, for the members' engine that takes them (its spec's
+    # ``passthrough``): checked by that engine when the model is built
     engine_args: dict[str, Any] = field(default_factory=dict)
+    # the keys every registered engine claims (its spec's ``options``), read as attributes
+    engine_options: dict[str, Any] = field(default_factory=lambda: engine_defaults())
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        """An engine's claimed option (``options.fast_small_linear``), as if it were a field."""
+        claimed = self.__dict__.get("engine_options", {})
+        if name in claimed:
+            return claimed[name]
+        raise AttributeError(name)
 
     def public_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data.pop("extra")
-        return data
+        return {**data, **data.pop("engine_options")}
 
     def member_engines(self) -> list[str]:
         """The engine of each member, in member order."""
@@ -166,13 +148,19 @@ OUTPUT_OPTIONS: tuple[str, ...] = (
 )
 
 
-_KNOWN = {f.name for f in fields(SafeOptions)} - {"extra", "engine_args"}
+def engine_defaults() -> dict[str, Any]:
+    """Every registered engine's claimed keys with their defaults."""
+    return {key: value for spec in engines() for key, value in spec.options.items()}
 
 
 def known_keys() -> set[str]:
-    """The option names ``--model_args`` may carry (:func:`~lm_eval_safe.model_args.parse_model_args`
-    folds any other bare item back into ``members``)."""
-    return set(_KNOWN)
+    """The option names ``--model_args`` may carry: the ensemble's and every registered
+    engine's (:func:`~lm_eval_safe.model_args.parse_model_args` folds any other bare item back
+    into ``members``)."""
+    ensemble = {f.name for f in fields(SafeOptions)} - {"extra", "engine_args", "engine_options"}
+    return ensemble | set(engine_defaults())
+
+
 # Keys lm-eval itself passes or that users commonly pass to every backend; accepted, not used.
 _IGNORED = {"max_batch_size_auto", "pretrained", "parallelize"}
 
@@ -180,7 +168,8 @@ _IGNORED = {"max_batch_size_auto", "pretrained", "parallelize"}
 def parse_options(raw: dict[str, Any]) -> SafeOptions:
     """Validate a merged model_args dict; unknown keys are an error, never silently ignored."""
     raw = {k: v for k, v in raw.items()}
-    unknown = sorted(k for k in raw if k not in _KNOWN and k not in _IGNORED)
+    known = known_keys()
+    unknown = sorted(k for k in raw if k not in known and k not in _IGNORED)
     if "pretrained" in raw and "members" not in raw:
         raw["members"] = raw["pretrained"]
     members = split_list(raw.get("members"), "members")
@@ -190,20 +179,14 @@ def parse_options(raw: dict[str, Any]) -> SafeOptions:
         )
     opts = SafeOptions(members=members)
     _parse_engines(opts, raw)
-    if unknown and "vllm" in opts.member_engines():
-        # the arguments of lm-eval's vllm backend and vLLM's EngineArgs; checked against the
-        # installed vLLM before any member loads
-        opts.engine_args = {k: raw[k] for k in unknown}
-        if "max_model_len" in raw:
-            if raw.get("max_length") not in (None, ""):
-                raise OptionError("give max_length= or max_model_len=, not both (they are one setting)")
-            raw["max_length"] = opts.engine_args.pop("max_model_len")
-        if "max_batch_size" in raw and "max_num_seqs" not in raw:
-            opts.engine_args["max_num_seqs"] = raw["max_batch_size"]
+    takers = [spec for spec in map(engine, dict.fromkeys(opts.member_engines())) if spec.passthrough]
+    if unknown and takers:  # the engine's own arguments, checked by it before any member loads
+        for spec in takers:
+            opts.engine_args.update(spec.take_arguments(raw, unknown))
     elif unknown:
         raise OptionError(
             f"unknown model_args key(s) {', '.join(map(repr, unknown))} for safe-ensemble; "
-            f"known keys: {', '.join(sorted(_KNOWN))}"
+            f"known keys: {', '.join(sorted(known))}"
         )
     if raw.get("drafter") not in (None, ""):
         opts.drafter = str(raw["drafter"]).strip()
@@ -213,25 +196,24 @@ def parse_options(raw: dict[str, Any]) -> SafeOptions:
         ("sharpen", SHARPENINGS),
         ("ll_aggregate", LL_AGGREGATES),
         ("dtype", DTYPES),
-        ("fast_small_linear", FAST_SMALL_LINEAR),
         ("overlap", OVERLAP),
     ):
         if raw.get(key) is not None:
-            setattr(opts, key, _choice(raw[key], key, choices))
-    for key in ("sharpen_lambda", "threshold", "prefix_cache_mb"):
+            setattr(opts, key, choice(raw[key], key, choices))
+    for key in ("sharpen_lambda", "threshold"):
         if raw.get(key) is not None:
-            setattr(opts, key, _as_number(raw[key], key, float))
+            setattr(opts, key, as_number(raw[key], key, float))
     if str(raw.get("draft_len", "")).strip().lower() == "auto":
         raw["draft_len"] = None
         opts.draft_len = "auto"
     for key in ("top_k", "draft_len", "max_batch_size", "max_gen_toks", "max_length", "top_logprobs"):
         if raw.get(key) is not None:
-            setattr(opts, key, _as_number(raw[key], key, int))
+            setattr(opts, key, as_number(raw[key], key, int))
     for key in ("trust_remote_code", "verifier_cache", "trace"):
         if raw.get(key) is not None:
-            setattr(opts, key, _as_bool(raw[key], key))
+            setattr(opts, key, as_bool(raw[key], key))
     if raw.get("add_bos_token") is not None:
-        opts.add_bos_token = _as_bool(raw["add_bos_token"], "add_bos_token")
+        opts.add_bos_token = as_bool(raw["add_bos_token"], "add_bos_token")
     if raw.get("device") not in (None, ""):
         opts.device = str(raw["device"])
     if raw.get("member_devices") not in (None, ""):
@@ -246,20 +228,26 @@ def parse_options(raw: dict[str, Any]) -> SafeOptions:
         opts.seed = parse_seed(raw["seed"])
     if raw.get("weights") not in (None, ""):
         opts.weights = [
-            _as_number(w, "weights", float) for w in split_list(raw["weights"], "weights")
+            as_number(w, "weights", float) for w in split_list(raw["weights"], "weights")
         ]
+    for spec in engines():
+        for key in spec.options:
+            if raw.get(key) is not None:
+                opts.engine_options[key] = spec.parse_option(key, raw[key])
     _validate(opts)
     return opts
 
 
 def _parse_engines(opts: SafeOptions, raw: dict[str, Any]) -> None:
-    """``engine=hf|vllm`` for every member, or ``engines=`` one per member (not both)."""
+    """``engine=`` for every member, or ``engines=`` one per member (not both), each a name of
+    :mod:`lm_eval_safe.engines.registry`."""
+    names = engine_names()
     if raw.get("engine") not in (None, ""):
-        opts.engine = _choice(raw["engine"], "engine", ENGINES)
+        opts.engine = choice(raw["engine"], "engine", names)
     if raw.get("engines") not in (None, ""):
         if raw.get("engine") not in (None, ""):
             raise OptionError("give engine= (every member) or engines= (one per member), not both")
-        opts.engines = [_choice(e, "engines entry", ENGINES) for e in split_list(raw["engines"], "engines")]
+        opts.engines = [choice(e, "engines entry", names) for e in split_list(raw["engines"], "engines")]
         if len(opts.engines) != len(opts.members):
             raise OptionError(
                 f"engines has {len(opts.engines)} entries for {len(opts.members)} members; give "
@@ -269,17 +257,8 @@ def _parse_engines(opts: SafeOptions, raw: dict[str, Any]) -> None:
 
 def _validate(opts: SafeOptions) -> None:
     n = len(opts.members)
-    if "vllm" in opts.member_engines():
-        if opts.top_logprobs < opts.top_k:
-            raise OptionError(
-                f"top_logprobs={opts.top_logprobs} is below top_k={opts.top_k}: vLLM members must "
-                "return at least the top_k strings the aggregator reads"
-            )
-        if opts.overlap == "on":
-            raise OptionError(
-                "overlap=on runs transformers members on threads of their own; vLLM members "
-                "overlap inside their engines: drop overlap=on"
-            )
+    for name in dict.fromkeys(opts.member_engines()):
+        engine(name).check_options(opts)
     if opts.draft_len != "auto" and int(opts.draft_len) < 1:
         raise OptionError(f"draft_len={opts.draft_len} must be at least 1 (or auto)")
     if opts.top_k < 1:
@@ -290,8 +269,6 @@ def _validate(opts: SafeOptions) -> None:
         raise OptionError(f"sharpen_lambda={opts.sharpen_lambda} must be in [0, 1)")
     if opts.max_gen_toks < 1:
         raise OptionError(f"max_gen_toks={opts.max_gen_toks} must be at least 1")
-    if opts.prefix_cache_mb < 0:
-        raise OptionError(f"prefix_cache_mb={opts.prefix_cache_mb} must be >= 0 (0 turns prefix reuse off)")
     if opts.max_batch_size < 1:
         raise OptionError(f"max_batch_size={opts.max_batch_size} must be at least 1")
     if opts.weights is not None:

@@ -17,6 +17,7 @@ verifier's thread beside the drafter's measured slower than running them in turn
 from __future__ import annotations
 
 from lm_eval_safe.batch_driver import Await, Launch, Steps
+from lm_eval_safe.engines import engine
 from lm_eval_safe.engines.base import Forward
 from lm_eval_safe.latency import CycleForwards
 from lm_eval_safe.member_runs import DrafterRun
@@ -26,16 +27,17 @@ from lm_eval_safe.members import Member
 def overlap_enabled(mode: str, drafter: Member, verifiers: list[Member]) -> bool:
     """``on``/``off`` as given; ``auto``: every verifier on a GPU other than the drafter's.
 
-    Transformers members only: a vLLM engine overlaps its own work (continuous batching in its
-    engine core), and ``overlap=on`` with a vLLM member is refused when the options are checked."""
+    Members whose engine runs their forwards on a thread of ours only (its spec's
+    ``thread_device``): an engine that overlaps its own work (vLLM's continuous batching in its
+    engine core) has none, and refuses ``overlap=on`` when the options are checked."""
     if mode != "auto":
         return mode == "on"
-    if any(m.engine.kind != "hf" for m in (drafter, *verifiers)):
+    devices = [engine(m.engine.kind).thread_device(m) for m in (drafter, *verifiers)]
+    if any(device is None for device in devices):
         return False
-    drafter_device = drafter.engine.input_device
+    drafter_device, verifier_devices = devices[0], devices[1:]
     return bool(verifiers) and all(
-        v.engine.input_device.type == "cuda" and v.engine.input_device != drafter_device
-        for v in verifiers
+        device.type == "cuda" and device != drafter_device for device in verifier_devices
     )
 
 

@@ -12,33 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from lm_eval_safe.engines import engines_active
+from lm_eval_safe.engines.scoring import ScoringError
 from lm_eval_safe.members import Member
-
-
-class ScoringError(ValueError):
-    """A request that cannot be scored; ``index`` says which, so the caller can name it."""
-
-    def __init__(self, index: int, message: str):
-        super().__init__(message)
-        self.index = index
-
-
-def check_pair(member: Member, index: int, ctx: list[int], cont: list[int]) -> None:
-    """A pair the member's engine can score: a continuation to score, no longer than one of its
-    scoring windows (``rolling_window``: vLLM's is two ids short of ``max_length``), and a
-    context token to condition on (lm-eval puts the prefix token in an empty context)."""
-    if not cont:
-        raise ScoringError(index, f"{member.name} has no continuation tokens to score")
-    window = member.engine.rolling_window
-    if len(cont) > window:
-        raise ScoringError(
-            index,
-            f"continuation of {len(cont)} tokens is longer than {member.name}'s scoring window "
-            f"({window}) on its {member.engine.kind} engine; give a larger max_length= (now "
-            f"{member.max_length}) or a shorter continuation",
-        )
-    if not ctx:
-        raise ScoringError(index, f"{member.name} has no context token to condition on")
 
 
 def encode_pair(

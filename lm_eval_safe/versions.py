@@ -1,4 +1,5 @@
-"""The library versions this package is tested with, and a refusal outside them.
+"""The library versions this package is tested with, and a refusal outside them (an engine's own
+library is its spec's: :meth:`lm_eval_safe.engines.spec.EngineSpec.check_versions`).
 
 A pipeline brings its own transformers and lm-eval. Code written against one transformers
 cache API silently misreads another (on transformers 4.57 an earlier version of this package
@@ -33,10 +34,6 @@ TESTED: dict[str, tuple[tuple[str, str], ...]] = {
 }
 #: lm-eval releases before this one import a transformers 4 API and need transformers < 5.
 LM_EVAL_FOR_TRANSFORMERS_5 = "0.4.10"
-#: engine=vllm: the vLLM releases tested (CI's vLLM environment, .ci/vllm-constraints.txt), and
-#: the transformers range vLLM 0.32 itself declares, which joins the matrix there.
-VLLM_TESTED: tuple[tuple[str, str], ...] = (("0.32.0", "0.33"),)
-TRANSFORMERS_FOR_VLLM = ("5.16.1", "5.20")
 
 
 class VersionError(RuntimeError):
@@ -77,36 +74,15 @@ def version_problems(found: dict[str, Version] | None = None) -> list[str]:
     return problems
 
 
-def vllm_version_problems(vllm: Version, transformers: Version) -> list[str]:
-    """What is untested about a vLLM (``engine=vllm``) and the transformers beside it."""
-    problems = []
-    if not any(Version(low) <= Version(vllm.base_version) < Version(high) for low, high in VLLM_TESTED):
-        spans = ", ".join(f">={low},<{high}" for low, high in VLLM_TESTED)
-        problems.append(
-            f"vllm {vllm} is untested for engine=vllm (tested: {spans}): pip install "
-            f"'vllm>={VLLM_TESTED[0][0]},<{VLLM_TESTED[-1][1]}' (CPU: bash scripts/setup.sh --vllm)"
-        )
-    low, high = TRANSFORMERS_FOR_VLLM
-    if not Version(low) <= transformers < Version(high):
-        problems.append(
-            f"transformers {transformers} is untested beside vLLM (tested: >={low},<{high}): "
-            f"pip install 'transformers>={low},<{high}'"
-        )
-    return problems
-
-
-def check_vllm_versions(vllm: Version, transformers: Version | None = None) -> None:
-    """:func:`check_versions` for ``engine=vllm``."""
-    _refuse(vllm_version_problems(vllm, transformers or installed("transformers")))
-
-
 def check_versions(found: dict[str, Version] | None = None) -> None:
     """Raise :class:`VersionError` for an untested version (warn only when
     ``LM_EVAL_SAFE_ALLOW_UNTESTED_VERSIONS=1``)."""
-    _refuse(version_problems(found))
+    refuse(version_problems(found))
 
 
-def _refuse(problems: list[str]) -> None:
+def refuse(problems: list[str]) -> None:
+    """Raise :class:`VersionError` for ``problems`` (an engine's too), or only warn when
+    ``LM_EVAL_SAFE_ALLOW_UNTESTED_VERSIONS=1``."""
     if not problems:
         return
     line = "safe-ensemble: " + "; ".join(problems)

@@ -115,7 +115,7 @@ def test_a_corrupt_gguf_member_is_named_before_any_member_loads(
     def no_loading(*_: Any, **__: Any) -> None:
         raise AssertionError("a member was loaded before every member's file was checked")
 
-    monkeypatch.setattr(engines, "load_member", no_loading)
+    monkeypatch.setattr(engines, "load_source", no_loading)
     with pytest.raises(OptionError) as info:
         make_lm(tiny_bpe_dir, broken)
     text = str(info.value)

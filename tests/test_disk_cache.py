@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lm_eval_safe import disk_cache, members
+from lm_eval_safe import checkpoints, disk_cache
 from lm_eval_safe.aggregate import UnionVocabulary
 from lm_eval_safe.engines.hf.loading import load_weights
-from lm_eval_safe.members import MemberSource
+from lm_eval_safe.sources import MemberSource
 from lm_eval_safe.vocabulary import TokenVocabulary
 
 GGUF_HEADER = b"GGUF" + (3).to_bytes(4, "little")
@@ -42,9 +42,9 @@ def conversions(monkeypatch: pytest.MonkeyPatch, tiny_bpe_dir: Path) -> list[str
 
     def fake_load_gguf(source: MemberSource, dtype: object, trust: bool) -> tuple:
         calls.append(source.location)
-        return members.load_pretrained(str(tiny_bpe_dir), dtype, trust)
+        return checkpoints.load_pretrained(str(tiny_bpe_dir), dtype, trust)
 
-    monkeypatch.setattr(members, "_load_gguf", fake_load_gguf)
+    monkeypatch.setattr(checkpoints, "_load_gguf", fake_load_gguf)
     return calls
 
 
@@ -109,26 +109,26 @@ _BUILDER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from lm_eval_safe import members
+    from lm_eval_safe import checkpoints
     from lm_eval_safe.engines.hf.loading import load_weights
-    from lm_eval_safe.members import MemberSource
+    from lm_eval_safe.sources import MemberSource
 
     tiny, gguf, cache, log, pause, stall = sys.argv[1:7]
-    save = members._save_dequantized
+    save = checkpoints._save_dequantized
 
     def slow_conversion(source, dtype, trust):
         with open(log, "a") as handle:
             handle.write("convert\\n")
         time.sleep(float(pause))
-        return members.load_pretrained(tiny, dtype, trust)
+        return checkpoints.load_pretrained(tiny, dtype, trust)
 
     def stalled_save(model, tokenizer, folder):
         save(model, tokenizer, folder)
         print("written", flush=True)
         time.sleep(float(stall))
 
-    members._load_gguf = slow_conversion
-    members._save_dequantized = stalled_save
+    checkpoints._load_gguf = slow_conversion
+    checkpoints._save_dequantized = stalled_save
     import torch
     load_weights(MemberSource(gguf, "member", "gguf", gguf), torch.float32, False, cache)
     print("loaded", flush=True)

@@ -168,7 +168,7 @@ def test_drafter_by_name_and_index() -> None:
 
 
 def test_unknown_member_and_missing_file() -> None:
-    from lm_eval_safe.members import resolve_source
+    from lm_eval_safe.sources import resolve_source
 
     with pytest.raises(OptionError, match="unknown member 'nosuchmodel'.*alias"):
         resolve_source("nosuchmodel")

@@ -16,9 +16,9 @@ import pytest
 import torch
 from helpers import ll_request, make_lm
 
-from lm_eval_safe.engines.hf.placement import Placement, plan_placement, resolve_device
 from lm_eval_safe.errors import OptionError
 from lm_eval_safe.model import SafeEnsembleLM
+from lm_eval_safe.placement import Placement, plan_placement, resolve_device
 
 REPO = Path(__file__).resolve().parents[1]
 MEMBERS = ["org/a", "/models/b"]
@@ -132,7 +132,7 @@ def test_member_devices_on_gpus_with_several_processes_is_refused(entries: list[
 
 
 def test_resolve_device_is_what_members_use() -> None:
-    from lm_eval_safe.members import pick_device
+    from lm_eval_safe.placement import pick_device
 
     assert resolve_device("cpu:0", cuda_count=0) == "cpu"
     assert (

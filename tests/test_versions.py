@@ -63,7 +63,7 @@ def test_the_model_refuses_before_loading_anything(
         versions, "installed", lambda name: Version("4.46.3") if name == "transformers" else real(name)
     )
     loaded = []
-    monkeypatch.setattr("lm_eval_safe.engines.load_member", lambda *a, **k: loaded.append(a))
+    monkeypatch.setattr("lm_eval_safe.engines.load_source", lambda *a, **k: loaded.append(a))
     with pytest.raises(VersionError, match=r"transformers 4\.46\.3 is untested"):
         make_lm(tiny_bpe_dir, tiny_sp_dir)
     assert loaded == []

@@ -35,7 +35,7 @@ def test_a_logprobs_mode_other_than_log_probs_is_refused(tiny_bpe_vllm_dir: Path
 
 
 def _identity(**settings) -> dict:
-    from lm_eval_safe.engines.vllm import VLLMEngine
+    from lm_eval_safe.engines.vllm.engine import VLLMEngine
 
     engine = VLLMEngine.__new__(VLLMEngine)
     engine.settings = {"model": "/m", "dtype": "float32", "trust_remote_code": False, "max_logprobs": -1, **settings}

@@ -22,7 +22,7 @@ from conftest import TINY_BPE_SEED, TINY_VOCAB_PAD, VLLM_HEADS, VLLM_HIDDEN
 from helpers import gen_request, ll_request, make_lm, random_prompts
 from tiny_models import make_tiny_causal_lm, save_member
 
-from lm_eval_safe.engines.vllm import VLLMEngine
+from lm_eval_safe.engines.vllm.engine import VLLMEngine
 
 ENFORCE = {"enforce_eager": True, "kv_cache_memory_bytes": 16 << 20}  # engines live as long as the process: tiny caches
 TIED = (195, 385)  # equal output rows: id 195 is the tiny BPE model's argmax at many positions

@@ -1,81 +1,110 @@
-"""Engines: what computes a member's forwards (the seam is :mod:`lm_eval_safe.engines.base`).
+"""Engines: what computes a member's forwards, reached through one door per engine.
 
-- ``hf`` (:mod:`lm_eval_safe.engines.hf`): transformers models stepped by this project's own
-  batches in this process; the default, and needs nothing beyond the package's dependencies.
-- ``vllm`` (:mod:`lm_eval_safe.engines.vllm`): one vLLM engine per member (paged KV cache,
-  prefix caching, continuous batching, tensor parallelism), answering each batch step with one
-  ``generate`` call.
+- :mod:`.registry` names the engines (``engine=``/``engines=`` take its names) and their
+  packages; it imports nothing.
+- each package's ``ENGINE`` (an :class:`.spec.EngineSpec`) is the engine to the rest of the
+  package: its options, checks, placement plan, loader and row sizing;
+- a loaded member's engine is a :class:`.base.MemberEngine` (the batch seam the decoder drives).
 
-A third engine (SGLang, a served OpenAI-compatible endpoint) is one more folder implementing
-:class:`~lm_eval_safe.engines.base.MemberEngine`. This module stays import-light: an engine's
-package is imported only when a member is loaded on it.
+Adding an engine: write ``engines/<name>/__init__.py`` with ``ENGINE = <EngineSpec subclass>()``
+(``name``, :meth:`~.spec.EngineSpec.load` returning a :class:`~.spec.LoadedMember` whose engine
+is a :class:`~.base.MemberEngine` with ``kind = name``, and
+:meth:`~.spec.EngineSpec.generation_rows`; the rest as needed), then add its line to
+:mod:`.registry` (or call :func:`.registry.register` from outside the package). The loops here,
+option validation, overlap and the server's row sizing find it there; nothing else names it.
+
+This module stays import-light: an engine's heavy modules are imported only when a member is
+loaded on it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from importlib import import_module
 from typing import Any
 
-ENGINES = ("hf", "vllm")
+from lm_eval_safe.engines.registry import DEFAULT_ENGINE, engine_names, engine_package
+from lm_eval_safe.engines.spec import EngineSpec, MemberLoad, head_width
 
 
-def load_member(spec: str, *, engine: str = "hf", **settings: Any) -> Any:
-    """Load one member on ``engine`` (``hf``: transformers in this process; ``vllm``: a vLLM
-    engine); ``settings`` are that engine's loader's (:func:`.hf.loading.load_hf_member`,
-    :func:`.vllm.loading.load_vllm_member`)."""
-    if engine == "vllm":
-        from lm_eval_safe.engines.vllm.loading import load_vllm_member
+def engine(name: str) -> EngineSpec:
+    """The spec of the engine registered as ``name``."""
+    spec = import_module(engine_package(name)).ENGINE
+    if spec.name != name:
+        raise RuntimeError(f"engine {name!r}: {engine_package(name)}.ENGINE is named {spec.name!r}")
+    return spec
 
-        return load_vllm_member(spec, **settings)
-    from lm_eval_safe.engines.hf.loading import load_hf_member
 
-    return load_hf_member(spec, **settings)
+def engines() -> list[EngineSpec]:
+    """Every registered engine's spec, in the registry's order."""
+    return [engine(name) for name in engine_names()]
+
+
+def members_by_engine(members: Sequence[Any]) -> dict[str, list[Any]]:
+    """The members on each engine, engines in the order their first member comes."""
+    groups: dict[str, list[Any]] = {}
+    for member in members:
+        groups.setdefault(member.engine.kind, []).append(member)
+    return groups
+
+
+def load_source(load: MemberLoad, engine_name: str, **settings: Any) -> Any:
+    """One member, its source resolved, on ``engine_name`` (``settings``: that engine's)."""
+    from lm_eval_safe.members import member_of
+
+    return member_of(engine(engine_name).load(load, **settings), load)
+
+
+def load_member(spec: str, *, engine: str = DEFAULT_ENGINE, **settings: Any) -> Any:
+    """Load one member from its spec: ``settings`` are :class:`~.spec.MemberLoad`'s fields
+    (``device``, ``dtype``, ``max_length``...) and the engine's own (its ``plan`` settings,
+    e.g. ``fast_small_linear=``). Benchmarks and tests load members one by one this way."""
+    from dataclasses import fields
+
+    from lm_eval_safe.sources import resolve_source
+
+    common = {f.name for f in fields(MemberLoad)}
+    shared = {k: v for k, v in settings.items() if k in common}
+    own = {k: v for k, v in settings.items() if k not in common}
+    source = resolve_source(spec, shared.get("cache_dir"))
+    return load_source(MemberLoad(source, **shared), engine, **own)
 
 
 def load_members(opts: Any, placements: Sequence[Any], rank: int, world_size: int) -> list[Any]:
-    """Every member of ``opts`` on its engine and placement. Every GGUF file, and vLLM's
-    installation and arguments, are checked before the first member loads (that takes
-    minutes)."""
-    import os
+    """Every member of ``opts`` on its engine and placement. Every source is resolved and every
+    GGUF file checked, and each engine used checks its versions and plans its members, before
+    the first member loads (that takes minutes)."""
+    from lm_eval_safe.sources import check_gguf_file, resolve_source
 
-    from lm_eval_safe.certified import head_width
-    from lm_eval_safe.members import check_gguf_file, resolve_source
-
-    for spec in opts.members:
-        source = resolve_source(spec, opts.cache_dir)
+    sources = [resolve_source(spec, opts.cache_dir) for spec in opts.members]
+    for source in sources:
         if source.kind == "gguf":
             check_gguf_file(source)
-    engines = opts.member_engines()
-    vllm_plans: Iterator[dict[str, Any]] = iter(())
-    if "vllm" in engines:
-        from lm_eval_safe.engines.vllm.loading import plan_vllm_members
-
-        local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        vllm_plans = iter(plan_vllm_members(opts, placements, world_size, local_rank))
-    common = {
-        "dtype": opts.dtype,
-        "trust_remote_code": opts.trust_remote_code,
-        "cache_dir": opts.cache_dir,
-        "max_length": opts.max_length,
-        "add_bos_token": opts.add_bos_token,
-    }
+    names = opts.member_engines()
+    settings: list[dict[str, Any]] = [{} for _ in names]
+    for name in dict.fromkeys(names):
+        spec = engine(name)
+        spec.check_versions()
+        indices = [i for i, n in enumerate(names) if n == name]
+        for i, planned in zip(indices, spec.plan(opts, placements, indices, rank, world_size), strict=True):
+            settings[i] = planned
+    width = head_width(opts.top_logprobs, opts.top_k)
     members = []
-    for i, spec in enumerate(opts.members):
-        if engines[i] == "vllm":
-            member = load_member(spec, engine="vllm", index=i, **common, **next(vllm_plans))
-        else:
-            member = load_member(
-                spec,
-                index=i,
-                device=placements[i].device,
-                device_map=placements[i].device_map,
-                fast_small_linear=opts.fast_small_linear,
-                prefix_cache_mb=opts.prefix_cache_mb,
-                top_logprobs=head_width(opts.top_logprobs, opts.top_k),
-                **common,
-            )
-        members.append(member)
+    for i, source in enumerate(sources):
+        load = MemberLoad(
+            source,
+            index=i,
+            dtype=opts.dtype,
+            trust_remote_code=opts.trust_remote_code,
+            cache_dir=opts.cache_dir,
+            max_length=opts.max_length,
+            add_bos_token=opts.add_bos_token,
+            top_logprobs=width,
+            device=placements[i].device,
+            device_map=placements[i].device_map,
+        )
+        members.append(load_source(load, names[i], **settings[i]))
     return members
 
 
@@ -97,14 +126,12 @@ def generation_rows(options: Any, members: Sequence[Any], jobs: Sequence[Any]) -
         return max(1, int(options.batch_size))
     if not jobs:
         return 1
-    rows = []
-    kinds = {m.engine.kind for m in members}
-    if "hf" in kinds:
-        from lm_eval_safe.engines.hf.batch import auto_generation_rows
-
-        rows.append(auto_generation_rows([m for m in members if m.engine.kind == "hf"], jobs))
-    if "vllm" in kinds:
-        from lm_eval_safe.engines.vllm.batch import auto_generation_rows as vllm_rows
-
-        rows.append(vllm_rows([m for m in members if m.engine.kind == "vllm"], jobs))
+    rows = [engine(name).generation_rows(group, jobs) for name, group in members_by_engine(members).items()]
     return int(max(1, min(*rows, options.max_batch_size)))
+
+
+def serving_rows(options: Any, members: Sequence[Any]) -> int:
+    """Rows the server decodes together with ``batch_size`` not a number: ``max_batch_size``,
+    at most what each engine's members hold at once (:meth:`~.spec.EngineSpec.serving_rows`)."""
+    bounds = [engine(name).serving_rows(group) for name, group in members_by_engine(members).items()]
+    return int(min([options.max_batch_size, *(b for b in bounds if b is not None)]))

@@ -124,6 +124,7 @@ def build(
     model_args: str, names: list[str] | None, api_key: str | None, max_body: int, log_prompts: bool
 ) -> object:
     """The ensemble loaded and wrapped in its ASGI app (FastAPI behind the gate)."""
+    from lm_eval_safe import MODEL_NAME
     from lm_eval_safe.loglikelihood import score_segments
     from lm_eval_safe.model import SafeEnsembleLM
     from lm_eval_safe.model_args import parse_model_args
@@ -138,7 +139,7 @@ def build(
     lm = SafeEnsembleLM.create_from_arg_obj(raw)
     rows = serving_rows(lm.options, raw, lm.members)
     joined = "+".join(m.name for m in lm.members)
-    names = names or ["safe-ensemble", joined]
+    names = names or [MODEL_NAME, joined]
     scheduler = Scheduler(lm.decoder, rows)
     metrics = Metrics(names[0], scheduler.counts)
     scheduler.observer = metrics
@@ -160,13 +161,10 @@ def build(
 
 def serving_rows(options: Any, raw: dict[str, Any], members: Sequence[Any] = ()) -> int:
     """Rows decoded together: ``batch_size`` when given as a number, else ``max_batch_size``
-    (default 64), at most what vLLM members hold at once (their request slots, one kept free):
-    continuous batching keeps the batch as full as the clients make it."""
+    (default 64), at most what each engine's members hold at once (vLLM's request slots, one
+    kept free): continuous batching keeps the batch as full as the clients make it."""
+    from lm_eval_safe.engines import serving_rows as engine_rows
+
     if raw.get("batch_size") not in (None, "") and options.batch_size != "auto":
         return max(1, int(options.batch_size))
-    vllm_members = [m for m in members if m.engine.kind == "vllm"]
-    if vllm_members:
-        from lm_eval_safe.engines.vllm.batch import auto_generation_rows
-
-        return int(min(options.max_batch_size, auto_generation_rows(vllm_members, [])))
-    return int(options.max_batch_size)
+    return engine_rows(options, members)

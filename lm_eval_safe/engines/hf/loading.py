@@ -5,18 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from lm_eval_safe.checkpoints import checkpoint_folder, load_pretrained
 from lm_eval_safe.disk_cache import cache_root
-from lm_eval_safe.members import (
-    Member,
-    MemberSource,
-    checkpoint_folder,
-    config_max_length,
-    load_pretrained,
-    loading_errors,
-    pick_device,
-    pick_dtype,
-    resolve_source,
-)
+from lm_eval_safe.engines.spec import LoadedMember, MemberLoad
+from lm_eval_safe.placement import pick_device, pick_dtype
+from lm_eval_safe.sources import MemberSource, loading_errors
 
 
 def load_weights(
@@ -40,48 +33,32 @@ def load_weights(
 
 
 def load_hf_member(
-    spec: str,
-    *,
-    index: int = 0,
-    device: str | None = None,
-    dtype: str = "auto",
-    trust_remote_code: bool = False,
-    cache_dir: str | None = None,
-    max_length: int | None = None,
-    add_bos_token: bool | None = None,
-    device_map: str | None = None,
-    fast_small_linear: str = "auto",
-    prefix_cache_mb: float = 256,
-    top_logprobs: int = 20,
-) -> Member:
-    """Load one member onto ``device`` (checked: a device this machine lacks is an error), or
-    with ``device_map="auto"`` spread by accelerate over the GPUs (``device`` then only picks
-    the dtype: bfloat16 for ``cuda`` under ``dtype=auto``). ``top_logprobs``: ids of each verifier
-    position's head read back from the device (:mod:`.heads`)."""
-    from lm_eval_safe.engines.hf import HFEngine
+    load: MemberLoad, fast_small_linear: str = "auto", prefix_cache_mb: float = 256
+) -> LoadedMember:
+    """Load one member onto ``load.device`` (checked: a device this machine lacks is an error),
+    or with ``device_map="auto"`` spread by accelerate over the GPUs (``device`` then only picks
+    the dtype: bfloat16 for ``cuda`` under ``dtype=auto``). ``load.top_logprobs``: ids of each
+    verifier position's head read back from the device (:mod:`.heads`)."""
+    from lm_eval_safe.engines.hf.engine import HFEngine
     from lm_eval_safe.engines.hf.prefix_cache import PrefixStore
     from lm_eval_safe.engines.hf.small_rows import SmallRowLinears
 
-    source = resolve_source(spec, cache_dir)
-    device = pick_device(device)
-    torch_dtype = pick_dtype(dtype, device)
-    model, tokenizer = load_weights(source, torch_dtype, trust_remote_code, cache_dir, device_map)
-    if device_map is None:
+    source = load.source
+    device = pick_device(load.device)
+    torch_dtype = pick_dtype(load.dtype, device)
+    model, tokenizer = load_weights(
+        source, torch_dtype, load.trust_remote_code, load.cache_dir, load.device_map
+    )
+    if load.device_map is None:
         model.to(device)  # a dispatched model must not be moved: accelerate's hooks own it
     model.eval()
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    small_rows = SmallRowLinears(model, fast_small_linear, cache_root(cache_dir), source.name)
+    small_rows = SmallRowLinears(model, fast_small_linear, cache_root(load.cache_dir), source.name)
     store = PrefixStore(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None
-    return Member(
-        source=source,
+    return LoadedMember(
         tokenizer=tokenizer,
         config=model.config,
         generation_config=model.generation_config,
-        engine=HFEngine(model, device_map, small_rows, store, top_logprobs),
+        engine=HFEngine(model, load.device_map, small_rows, store, load.top_logprobs),
         device=device,
         dtype=torch_dtype,
-        max_length=config_max_length(model.config, tokenizer, max_length),
-        add_bos_token=add_bos_token,
-        index=index,
     )

@@ -20,8 +20,8 @@ import torch
 
 from lm_eval_safe.engines.hf import kv_cache, model_calls
 from lm_eval_safe.engines.hf.forward import vocab_logits
+from lm_eval_safe.engines.scoring import check_pair
 from lm_eval_safe.members import Member
-from lm_eval_safe.scoring import check_pair
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The vLLM engine: each member is one ``vllm.LLM`` (paged KV cache, prefix caching, continuous
+"""The vLLM engine (``engine=vllm``): each member is one ``vllm.LLM`` (paged KV cache, prefix caching, continuous
 batching, tensor parallelism), and every batch step of the decoder is one batched ``generate``
 call per member for all the requests in the batch.
 
@@ -16,195 +16,80 @@ request and taken as the distribution its head describes
 lm-eval vllm's numbers: over the model's whole output layer, the ids past the tokenizer dropped
 with their mass. What vLLM on this package's supported versions needs, and what a CPU build does
 differently, is in :mod:`.args`.
+
+Modules: :mod:`.engine` (the member's engine), :mod:`.loading` (placement plan, building the
+engine), :mod:`.args` (engine arguments), :mod:`.versions` (the tested vLLM releases),
+:mod:`.batch` and :mod:`.sessions` (rows), :mod:`.scoring`. This module is the engine's
+:class:`~lm_eval_safe.engines.spec.EngineSpec` and stays light: vLLM and torch are imported
+when a member loads, so options are checked on machines without vLLM.
 """
 
 from __future__ import annotations
 
-import logging
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import torch
-
-from lm_eval_safe.engines.base import EngineBatch, MemberEngine, TopLogprobs, head_of
-from lm_eval_safe.engines.vllm.sessions import EngineSessions, unsupported
-
-logger = logging.getLogger(__name__)
+from lm_eval_safe.engines.spec import EngineSpec, LoadedMember, MemberLoad
+from lm_eval_safe.errors import OptionError
 
 
-def float32_exp(logprob: float) -> float:
-    """``exp`` of a float32 log-prob in float32, as a full row's ``row.max().exp()``: the GaC
-    gate and the threshold schedule compare it with 0.5, where float32 and float64 may round a
-    log-prob next to log(0.5) to opposite sides."""
-    return float(torch.tensor(logprob, dtype=torch.float32).exp())
+class VLLMSpec(EngineSpec):
+    name = "vllm"
+    passthrough = True  # lm-eval vllm's model_args and vLLM's EngineArgs (.args)
 
-#: Engines running inside this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the CPU default):
-#: they share vLLM's process-wide distributed state, which an engine's shutdown tears down for
-#: all of them (vLLM 0.32 ``EngineCore.shutdown`` calls ``cleanup_dist_env_and_memory``), so
-#: none is shut down before the process ends.
-_IN_PROCESS: list[Any] = []
+    def take_arguments(self, raw: dict[str, Any], unknown: Sequence[str]) -> dict[str, Any]:
+        """lm-eval vllm's names: ``max_model_len`` is ``max_length``, ``max_batch_size`` also
+        sets ``max_num_seqs``; checked against the installed vLLM before any member loads."""
+        args = {key: raw[key] for key in unknown}
+        if "max_model_len" in raw:
+            if raw.get("max_length") not in (None, ""):
+                raise OptionError("give max_length= or max_model_len=, not both (they are one setting)")
+            raw["max_length"] = args.pop("max_model_len")
+        if "max_batch_size" in raw and "max_num_seqs" not in raw:
+            args["max_num_seqs"] = raw["max_batch_size"]
+        return args
+
+    def check_options(self, options: Any) -> None:
+        if options.top_logprobs < options.top_k:
+            raise OptionError(
+                f"top_logprobs={options.top_logprobs} is below top_k={options.top_k}: vLLM members must "
+                "return at least the top_k strings the aggregator reads"
+            )
+        if options.overlap == "on":
+            raise OptionError(
+                "overlap=on runs transformers members on threads of their own; vLLM members "
+                "overlap inside their engines: drop overlap=on"
+            )
+
+    def check_versions(self) -> None:
+        from packaging.version import Version
+
+        from lm_eval_safe.engines.vllm.args import require_vllm, vllm_version
+        from lm_eval_safe.engines.vllm.versions import check_vllm_versions
+
+        require_vllm()
+        check_vllm_versions(Version(vllm_version()))
+
+    def plan(
+        self, options: Any, placements: Sequence[Any], indices: Sequence[int], rank: int, world_size: int
+    ) -> list[dict[str, Any]]:
+        from lm_eval_safe.engines.vllm.loading import plan_vllm_members
+
+        return plan_vllm_members(options, placements, indices, rank, world_size)
+
+    def load(self, load: MemberLoad, **settings: Any) -> LoadedMember:
+        from lm_eval_safe.engines.vllm.loading import load_vllm_member
+
+        return load_vllm_member(load, **settings)
+
+    def generation_rows(self, members: Sequence[Any], jobs: Sequence[Any]) -> int:
+        from lm_eval_safe.engines.vllm.batch import auto_generation_rows
+
+        return auto_generation_rows(list(members), list(jobs))
+
+    def serving_rows(self, members: Sequence[Any]) -> int | None:
+        """Its request slots (continuous batching keeps the batch as full as clients make it)."""
+        return self.generation_rows(members, [])
 
 
-class VLLMEngine(MemberEngine):
-    kind = "vllm"
-    full_rows = False
-    stops_on_text = True
-
-    def __init__(self, llm: Any, top_logprobs: int, settings: dict[str, Any]):
-        super().__init__()
-        self.llm = llm
-        self.top = top_logprobs
-        self.settings = settings
-        config = llm.llm_engine.vllm_config
-        self.max_model_len = int(config.model_config.max_model_len)
-        self.max_num_seqs = int(config.scheduler_config.max_num_seqs)
-        self.prefix_caching = bool(config.cache_config.enable_prefix_caching)
-        from vllm import envs
-
-        if not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
-            _IN_PROCESS.append(llm)
-        why_not = unsupported(llm)
-        #: rows kept in the engine between calls (:mod:`.sessions`), or None: whole sequences
-        #: are re-submitted each call
-        self.sessions = EngineSessions(llm) if why_not is None else None
-        if why_not is not None:
-            logger.info("vLLM rows re-submit whole sequences each call: %s", why_not)
-
-    # -- calls -------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[list[int]], params: Sequence[Any]) -> list[Any]:
-        """One batched ``generate`` call; prompt tokens submitted and those read from the
-        prefix cache are counted as prefill tokens."""
-        from vllm import TokensPrompt
-
-        if self.sessions is not None and prompts:  # paused sessions' KV is not vLLM's to evict
-            longest = max(len(p) for p in prompts)
-            self.sessions.make_room(self.sessions.blocks_for(longest + 1), ())
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], list(params), use_tqdm=False
-        )
-        for prompt, output in zip(prompts, outputs, strict=True):
-            self.counters.prefill_tokens += len(prompt)
-            self.counters.prefill_tokens_saved += int(output.num_cached_tokens or 0)
-        return outputs
-
-    def params(self, **settings: Any) -> Any:
-        """Sampling parameters of a call: no detokenization, flat log-probs, stops only where
-        the decoder says (vLLM's own EOS handling off: the member's stop ids are passed)."""
-        from vllm import SamplingParams
-
-        base = {"detokenize": False, "flat_logprobs": True, "ignore_eos": True, "temperature": 0.0}
-        return SamplingParams(**{**base, **settings})
-
-    def head(self, flat: Any, position: int, handle: Any = None) -> TopLogprobs | None:
-        """Position ``position`` of a flat log-prob list as a head, or None where the ids vLLM
-        returned cannot name the position's argmax.
-
-        vLLM returns the asked-about token (sampled or given) first, then its top ``K`` ids, with
-        equal values in the order its top-k kernel met them. The head orders them as
-        ``torch.argmax`` orders a full row (by value, equal values by id: the first of equal
-        maxima first) and takes ``max_probability`` in float32, as a full row's
-        ``row.max().exp()``. Ids past the tokenizer (padded embedding rows, as in Qwen) are not
-        tokens and are dropped with their mass: vLLM's log-probs are lm-eval vllm's numbers and
-        are not renormalised, here or in :meth:`full_row`. None: no listed id is a token, or every
-        listed token ties at the maximum, where an id vLLM did not list may tie too."""
-        start, end = flat.start_indices[position], flat.end_indices[position]
-        return self.position_head(flat.token_ids[start:end], flat.logprobs[start:end], handle)
-
-    def position_head(
-        self, ids: Sequence[int], logprobs: Sequence[float], handle: Any = None
-    ) -> TopLogprobs | None:
-        """:meth:`head` of one position given as vLLM's row: the asked-about id, then the top
-        ``K`` (a resumable request's rows come this way, not as a flat list)."""
-        vocab = len(self.member.tokenizer)
-        known = {t: lp for t, lp in zip(ids, logprobs, strict=True) if t < vocab}
-        listed = {t: known[t] for t in ids[1:] if t < vocab}
-        if not listed:
-            return None
-        best = max(listed.values())
-        argmax = min(t for t, lp in known.items() if lp == best)  # the asked id may tie, unlisted
-        ranked = sorted({**listed, argmax: best}.items(), key=lambda item: (-item[1], item[0]))
-        if len(known) < vocab and ranked[-1][1] == best:
-            return None
-        top_ids, top_logprobs = [t for t, _ in ranked], [lp for _, lp in ranked]
-        return TopLogprobs(top_ids, top_logprobs, known, handle, float32_exp(best))
-
-    def row_head(self, row: torch.Tensor, asked: int, handle: Any) -> TopLogprobs:
-        """A head of :attr:`top` ids cut from a :meth:`full_row` (where :meth:`head` gave None),
-        knowing the asked-about id too when it is a token (-1: none was asked about)."""
-        argmax = int(torch.argmax(row))
-        known = {t: float(row[t]) for t in {argmax, asked} if 0 <= t < row.numel()}
-        return head_of(row, self.top, TopLogprobs([argmax], [known[argmax]], known, handle))
-
-    def token_score(self, flat: Any, position: int) -> tuple[float, bool]:
-        """The given token's log-prob at a ``prompt_logprobs=1`` position and whether it is
-        greedy, by lm-eval vllm's rule: its log-prob is at least that of vLLM's most probable id
-        (a tie counts as greedy; a padded id counts, as lm-eval reads it)."""
-        start = flat.start_indices[position]
-        token_logprob = flat.logprobs[start]
-        return token_logprob, token_logprob >= flat.logprobs[start + 1]
-
-    def full_row(self, flat: Any, position: int) -> torch.Tensor:
-        """A ``logprobs=-1`` position as vLLM's log-probs over the tokenizer's ids (-inf at no id;
-        not renormalised, as :meth:`head`)."""
-        start, end = flat.start_indices[position], flat.end_indices[position]
-        vocab = len(self.member.tokenizer)
-        values = torch.full((vocab,), -math.inf, dtype=torch.float32)
-        ids = torch.tensor(flat.token_ids[start + 1 : end], dtype=torch.long)
-        lps = torch.tensor(flat.logprobs[start + 1 : end], dtype=torch.float32)
-        inside = ids < vocab
-        values[ids[inside]] = lps[inside]
-        return values
-
-    # -- MemberEngine ------------------------------------------------------------------
-    def new_batch(self) -> EngineBatch:
-        from lm_eval_safe.engines.vllm.batch import VLLMBatch
-
-        return VLLMBatch(self)
-
-    def score_tokens(
-        self,
-        pairs: Sequence[tuple[list[int], list[int]]],
-        batch_size: int | str,
-        max_batch_size: int,
-        progress: Callable[[int], Any] | None = None,
-    ) -> list[tuple[list[float], list[bool]]]:
-        from lm_eval_safe.engines.vllm.scoring import score_tokens
-
-        return score_tokens(self, pairs, batch_size, progress)
-
-    @property
-    def rolling_window(self) -> int:
-        """lm-eval's vllm: ``max_length - 2`` (a window and its context id within
-        :attr:`sequence_limit`)."""
-        return self.member.max_length - 2
-
-    @property
-    def sequence_limit(self) -> int:
-        """vLLM refuses a prompt that fills ``max_model_len`` (it generates at least one token),
-        so a sequence whose next-token distribution is read holds one id fewer."""
-        return self.member.max_length - 1
-
-    @property
-    def shares_prefixes(self) -> bool:
-        return self.prefix_caching
-
-    def prefill_counts(self) -> tuple[int, int]:
-        return self.counters.prefill_tokens, self.counters.prefill_tokens_saved
-
-    def forget_prefixes(self) -> None:
-        if self.sessions is not None:  # vLLM resets no cache while requests hold blocks
-            self.sessions.close_all()
-        self.llm.reset_prefix_cache()
-
-    def describe(self) -> dict[str, Any]:
-        shown = {k: v for k, v in self.settings.items() if k not in ("model", "dtype")}
-        return {"engine": self.kind, "engine_args": shown}
-
-    def identity(self) -> dict[str, Any]:
-        """The engine (another engine's kernels round differently: near-ties may flip, so its
-        answers are kept apart from the transformers engine's in ``--use_cache``) and every
-        engine argument that can change an answer (:func:`.args.result_arguments`)."""
-        from lm_eval_safe.engines.vllm.args import result_arguments
-
-        return {"engine": self.kind, "engine_args": result_arguments(self.settings)}
+ENGINE = VLLMSpec()

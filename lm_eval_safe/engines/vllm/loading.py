@@ -12,21 +12,15 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from packaging.version import Version
-
+from lm_eval_safe.checkpoints import checkpoint_folder
+from lm_eval_safe.engines.spec import LoadedMember, MemberLoad
 from lm_eval_safe.errors import OptionError
-from lm_eval_safe.members import (
-    Member,
-    checkpoint_folder,
-    loading_errors,
-    pick_dtype,
-    resolve_source,
-)
-from lm_eval_safe.versions import check_vllm_versions
+from lm_eval_safe.placement import pick_dtype
+from lm_eval_safe.sources import loading_errors
 
 logger = logging.getLogger(__name__)
 
@@ -111,30 +105,22 @@ def _argument_error(spec: str, exc: Exception, args: dict[str, Any]) -> OptionEr
 
 
 def load_vllm_member(
-    spec: str,
-    *,
-    index: int = 0,
-    dtype: str = "auto",
-    trust_remote_code: bool = False,
-    cache_dir: str | None = None,
-    max_length: int | None = None,
-    add_bos_token: bool | None = None,
+    load: MemberLoad,
     engine_args: dict[str, Any] | None = None,
     gpus: tuple[int, ...] | None = None,
-    top_logprobs: int = 20,
-) -> Member:
+) -> LoadedMember:
     """Load one member as a vLLM engine (``engine_args``: :func:`.args.member_engine_args` with
     its defaults applied; ``gpus``: the GPUs it may use, None for vLLM's choice)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from vllm import LLM
 
-    from lm_eval_safe.engines.vllm import VLLMEngine
     from lm_eval_safe.engines.vllm.args import is_cpu_platform
+    from lm_eval_safe.engines.vllm.engine import VLLMEngine
 
-    source = resolve_source(spec, cache_dir)
+    source, spec, trust_remote_code = load.source, load.source.spec, load.trust_remote_code
     device = "cpu" if is_cpu_platform() else "cuda"
-    torch_dtype = pick_dtype(dtype, device)
-    location = checkpoint_folder(source, torch_dtype, trust_remote_code, cache_dir)
+    torch_dtype = pick_dtype(load.dtype, device)
+    location = checkpoint_folder(source, torch_dtype, trust_remote_code, load.cache_dir)
     with loading_errors(source):
         tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
         config = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code)
@@ -142,11 +128,9 @@ def load_vllm_member(
             generation_config = GenerationConfig.from_pretrained(location)
         except OSError:  # a checkpoint without generation_config.json
             generation_config = None
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
     args = dict(engine_args or {})
-    if max_length:
-        args.setdefault("max_model_len", int(max_length))
+    if load.max_length:
+        args.setdefault("max_model_len", int(load.max_length))
     settings = {
         "model": location,
         "dtype": str(torch_dtype).replace("torch.", ""),
@@ -157,7 +141,7 @@ def load_vllm_member(
     try:
         with visible_gpus(gpus):
             llm = LLM(**settings)
-        engine = VLLMEngine(llm, top_logprobs, settings)
+        engine = VLLMEngine(llm, load.top_logprobs, settings)
         # one token now: kernels vLLM lacks for this model (a head size its CPU attention does
         # not support) fail here, naming the member, not at the first request of a run
         prompt = [tokenizer.bos_token_id or 0, tokenizer.eos_token_id or 0]
@@ -174,8 +158,7 @@ def load_vllm_member(
         if error is None:
             raise
         raise error from None  # the line says all there is: vLLM's reason and the argument
-    return Member(
-        source=source,
+    return LoadedMember(
         tokenizer=tokenizer,
         config=config,
         generation_config=generation_config,
@@ -183,39 +166,32 @@ def load_vllm_member(
         device=device if gpus is None else ",".join(f"cuda:{g}" for g in gpus),
         dtype=torch_dtype,
         max_length=engine.max_model_len,
-        add_bos_token=add_bos_token,
-        index=index,
     )
 
 
 def plan_vllm_members(
-    options: Any, placements: list[Any], world_size: int, local_rank: int
+    options: Any, placements: Sequence[Any], indices: Sequence[int], rank: int, world_size: int
 ) -> list[dict[str, Any]]:
-    """The loading settings of each vLLM member, in member order (``engine_args``, ``gpus``,
-    ``top_logprobs`` for :func:`load_vllm_member`), decided and checked before anything loads:
-    vLLM is installed, every argument is one it knows, per-member lists have the right length.
+    """The loading settings of the vLLM members at ``indices`` (``engine_args``, ``gpus`` for
+    :func:`load_vllm_member`), decided and checked before anything loads (vLLM's installation
+    and version were, by the spec's ``check_versions``): every argument is one it knows,
+    per-member lists have the right length.
 
     GPUs: a ``member_devices`` entry ``cuda:N`` gives the member GPUs N to N+tp-1 (tp: its
     ``tensor_parallel_size``); in a data-parallel run (lm-eval's launcher, one process per rank)
     rank r's members take GPUs r*tp to (r+1)*tp-1; otherwise vLLM chooses. On a CPU build the
     environment of :func:`.args.cpu_environment` is set where the user has not set it."""
-    from lm_eval_safe.certified import head_width
     from lm_eval_safe.engines.vllm.args import (
         apply_defaults,
         cpu_environment,
         is_cpu_platform,
         member_engine_args,
-        require_vllm,
-        vllm_version,
     )
 
-    require_vllm()
-    check_vllm_versions(Version(vllm_version()))
     # vLLM logs every engine's configuration and CPU hints at INFO/WARNING; this package is
     # quiet by default (VLLM_LOGGING_LEVEL=INFO shows vLLM's own log). Read when vllm is imported.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    engines = options.member_engines()
-    indices = [i for i, e in enumerate(engines) if e == "vllm"]
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
     args = member_engine_args(options.engine_args, len(indices))
     on_cpu = is_cpu_platform()
     gpus: list[tuple[int, ...] | None] = []
@@ -248,7 +224,4 @@ def plan_vllm_members(
         os.environ.update(chosen)
         if chosen:
             logger.info("vLLM on CPU: %s (set them to choose otherwise)", chosen)
-    return [
-        {"engine_args": a, "gpus": g, "top_logprobs": head_width(options.top_logprobs, options.top_k)}
-        for a, g in zip(args, gpus, strict=True)
-    ]
+    return [{"engine_args": a, "gpus": g} for a, g in zip(args, gpus, strict=True)]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lm_eval_safe.scoring import check_pair
+from lm_eval_safe.engines.scoring import check_pair
 
 #: Requests per ``generate`` call when ``batch_size`` is ``auto``: bounds the Python objects of
 #: one call's outputs, while vLLM batches within it as its scheduler sees fit.

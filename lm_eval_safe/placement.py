@@ -10,6 +10,7 @@ run that was meant for a GPU and quietly runs on cpu takes hours and reports mis
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from lm_eval_safe.errors import OptionError
 from lm_eval_safe.model_args import member_display_name
@@ -139,3 +140,20 @@ def visible_hardware() -> tuple[int, bool]:
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     mps = torch.backends.mps.is_available()
     return cuda_count, mps
+
+
+def pick_device(requested: str | None) -> str:
+    """``requested`` checked against this machine (``auto``/None: cuda if visible, else cpu).
+
+    A device the machine lacks is an :class:`OptionError`, not a warning and a run on cpu: a
+    GPU run that silently falls back takes hours and reports CPU speeds as the ensemble's."""
+    cuda_count, mps = visible_hardware()
+    return resolve_device(requested, cuda_count=cuda_count, mps_available=mps)
+
+
+def pick_dtype(dtype: str, device: str) -> Any:
+    import torch
+
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}[dtype]

@@ -1,0 +1,116 @@
+"""What an engine is to the rest of the package: an :class:`EngineSpec`, the ``ENGINE`` of its
+package (:mod:`lm_eval_safe.engines.registry` names the packages).
+
+The spec is the engine's one door: the option keys it claims and their checks, its checks of
+the ensemble's options, its version check, its placement plan, loading one member, and how many
+rows it decodes at once. What a loaded member's engine can do while decoding (full rows or
+heads, stopping on text, prefix sharing) is its :class:`~lm_eval_safe.engines.base.MemberEngine`'s.
+Importing a spec stays light (no torch, no engine library): options are checked with every
+registered engine's spec before anything loads, on machines without the engine installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lm_eval_safe.sources import MemberSource
+
+
+def head_width(top_logprobs: int, top_k: int) -> int:
+    """Ids an engine's head holds: ``top_logprobs``, and at least one past ``top_k``. A head of
+    exactly ``top_k`` ids cannot name the top-k strings: an id it does not know may tie its
+    last one (:func:`lm_eval_safe.certified._top_keys`), while one more id shows whether the
+    k-th place is shared."""
+    return max(top_logprobs, top_k + 1)
+
+
+@dataclass(frozen=True)
+class MemberLoad:
+    """What every engine's loader is given for one member: its source, resolved and checked
+    once before any member loads, and the ensemble's settings for it."""
+
+    source: MemberSource
+    index: int = 0
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    cache_dir: str | None = None
+    max_length: int | None = None  # max_length= (None: the checkpoint's own)
+    add_bos_token: bool | None = None
+    top_logprobs: int = 20  # ids of each position's head an engine reads back
+    device: str | None = None  # the member's placement (None: auto)
+    device_map: str | None = None
+
+
+@dataclass
+class LoadedMember:
+    """What an engine's loader returns; :func:`lm_eval_safe.engines.load_source` makes the
+    :class:`~lm_eval_safe.members.Member` of it (the tokenizer's pad id set, the context window
+    read from the config where the engine leaves ``max_length`` None)."""
+
+    tokenizer: Any
+    config: Any  # transformers PretrainedConfig of the checkpoint
+    generation_config: Any  # or None
+    engine: Any  # MemberEngine
+    device: str
+    dtype: Any
+    max_length: int | None = None
+
+
+class EngineSpec:
+    """One engine's door. Subclass it in ``engines/<name>/__init__.py`` as ``ENGINE``; only
+    :meth:`load` and :meth:`generation_rows` must be written, the rest have neutral defaults."""
+
+    #: what ``engine=``/``engines=`` call it: its key in the registry, and its engines' ``kind``
+    name: str = ""
+    #: the ``--model_args`` keys this engine claims, with their defaults (every registered
+    #: engine's are options of every run, read as ``options.<key>``)
+    options: Mapping[str, Any] = {}
+    #: whether ``--model_args`` keys no one claims are this engine's arguments (they go to
+    #: ``options.engine_args`` when a member runs on it, and are refused otherwise)
+    passthrough: bool = False
+
+    def parse_option(self, key: str, value: Any) -> Any:
+        """A claimed key's value as typed, parsed and checked (one-line :class:`OptionError`)."""
+        return value
+
+    def take_arguments(self, raw: dict[str, Any], unknown: Sequence[str]) -> dict[str, Any]:
+        """The passed-through arguments of a :attr:`passthrough` engine out of ``raw`` (its
+        aliases of ensemble options may be written back into ``raw``)."""
+        return {key: raw[key] for key in unknown}
+
+    def check_options(self, options: Any) -> None:
+        """Checks of the ensemble's options for members on this engine (one-line OptionError)."""
+
+    def check_versions(self) -> None:
+        """Refuse an untested version of the engine's library (one line; before any loading)."""
+
+    def plan(
+        self, options: Any, placements: Sequence[Any], indices: Sequence[int], rank: int, world_size: int
+    ) -> list[dict[str, Any]]:
+        """This engine's own loading settings for the members at ``indices`` (keyword arguments
+        of :meth:`load`), decided and checked for all of them before the first one loads."""
+        return [self.member_settings(options) for _ in indices]
+
+    def member_settings(self, options: Any) -> dict[str, Any]:
+        """:meth:`plan`'s settings of one member: by default the claimed options' values."""
+        return {key: getattr(options, key) for key in self.options}
+
+    def load(self, load: MemberLoad, **settings: Any) -> LoadedMember:
+        """Load one member (``settings``: this engine's, from :meth:`plan`)."""
+        raise NotImplementedError
+
+    def generation_rows(self, members: Sequence[Any], jobs: Sequence[Any]) -> int:
+        """``batch_size=auto`` for lm-eval: rows this engine's ``members`` decode together."""
+        raise NotImplementedError
+
+    def serving_rows(self, members: Sequence[Any]) -> int | None:
+        """Most rows the server may decode together on this engine's ``members`` (None: no
+        bound of the engine's own)."""
+        return None
+
+    def thread_device(self, member: Any) -> Any:
+        """The torch device a member's forwards run on when the decoder may run them on a
+        thread of their own (``overlap=``), or None where the engine overlaps its own work."""
+        return None

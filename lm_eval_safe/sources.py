@@ -1,0 +1,120 @@
+"""A member spec resolved, without loading anything: an alias of a small model shipped through
+PyPI, a path to a ``.gguf`` file, a local folder, or a hub id (:func:`resolve_source`), with
+what an engine's loader needs of it and the one-line errors that name the member.
+
+Below every engine: each engine's loader takes the :class:`MemberSource` resolved here once
+(:func:`lm_eval_safe.engines.load_members` checks every GGUF file before the first member loads).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lm_eval_safe.aliases import ALIASES, resolve_alias
+from lm_eval_safe.errors import OptionError
+from lm_eval_safe.model_args import member_display_name
+
+
+@dataclass(frozen=True)
+class MemberSource:
+    """Where a member's weights come from, resolved without loading anything."""
+
+    spec: str
+    name: str
+    kind: str  # "gguf" | "folder" | "hub"
+    location: str
+
+    def describe(self) -> dict[str, str]:
+        return {"name": self.name, "spec": self.spec, "kind": self.kind, "location": self.location}
+
+
+def resolve_source(spec: str, configured_cache: str | None = None) -> MemberSource:
+    """Decide what kind of member a spec is, failing in one line when it is none of them."""
+    name = member_display_name(spec)
+    key = spec.strip().lower()
+    if key in ALIASES:
+        return MemberSource(spec, key, "gguf", str(resolve_alias(key, configured_cache)))
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise OptionError(f"member {spec!r}: no such .gguf file")
+        return MemberSource(spec, name, "gguf", str(path.resolve()))
+    if path.is_dir():
+        return MemberSource(spec, name, "folder", str(path.resolve()))
+    if path.exists():
+        raise OptionError(
+            f"member {spec!r} is a file but not a .gguf; give a .gguf file or a model folder"
+        )
+    looks_like_hub = spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
+    if looks_like_hub:
+        return MemberSource(spec, name, "hub", spec)
+    raise OptionError(
+        f"unknown member {spec!r}: give a local folder, a .gguf file, a hub id (org/name) "
+        f"or an alias ({', '.join(sorted(a for a in ALIASES if '-' in a))})"
+    )
+
+
+def content_identity(source: MemberSource, config: Any = None) -> dict[str, Any]:
+    """Identity of a member's weights without hashing gigabytes: an alias's pinned sha256; a
+    file's name, size and mtime; a folder's file names, sizes and mtimes; a hub id's resolved
+    commit (from the loaded ``config``, when transformers recorded it)."""
+    alias = ALIASES.get(source.spec.strip().lower())
+    if alias is not None:
+        return {"alias": source.name, "sha256": alias.sha256}
+    path = Path(source.location)
+    if source.kind == "gguf":
+        stat = path.stat()
+        return {"file": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    if source.kind == "folder":
+        files = sorted(
+            (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir() if p.is_file()
+        )
+        digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()[:20]
+        return {"folder": path.name, "files": digest}
+    revision = None if config is None else config._commit_hash
+    return {"hub": source.spec, "revision": revision}
+
+
+GGUF_MAGIC = b"GGUF"
+GGUF_VERSIONS = (2, 3)  # what the gguf package's reader handles
+
+
+def check_gguf_file(source: MemberSource) -> None:
+    """Fail in one line naming the member when its file is not a GGUF this reader can load.
+
+    The gguf reader's own message (``GGUF v3528099250; this reader handles v2 and v3``) names
+    neither the member nor the file, and comes after the model class has been set up."""
+    path = Path(source.location)
+    with path.open("rb") as handle:
+        head = handle.read(8)
+    version = int.from_bytes(head[4:8], "little") if len(head) == 8 else None
+    if head[:4] != GGUF_MAGIC or version not in GGUF_VERSIONS:
+        found = f"starts with {head[:4]!r}" if head[:4] != GGUF_MAGIC else f"says version {version}"
+        raise OptionError(
+            f"member {source.spec!r}: {path} is not a valid GGUF file (it {found}; GGUF v2/v3 "
+            f"expected); the file is damaged or of another format: download it again"
+        )
+
+
+@contextmanager
+def loading_errors(source: MemberSource) -> Iterator[None]:
+    """A checkpoint that cannot be read fails in one line naming the member (offline hub ids
+    say what to do)."""
+    try:
+        yield
+    except OSError as exc:
+        if source.kind == "hub" and os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
+            raise OptionError(
+                f"member {source.spec!r} is not in the local hub cache and the hub is offline "
+                "(HF_HUB_OFFLINE=1): download it once, or give a local folder or .gguf file"
+            ) from exc
+        raise OptionError(
+            f"member {source.spec!r} could not be loaded: {str(exc).splitlines()[0]}"
+        ) from exc
