@@ -1,0 +1,78 @@
+"""The engine registry: engines are found by name, a third one is one folder registered with
+:func:`~lm_eval_safe.engines.registry.register` (here :mod:`third_engine`, in the test tree),
+and it runs the decoder end to end with no package file knowing its name."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import third_engine
+from helpers import gen_request, make_lm, random_prompts
+
+from lm_eval_safe import engines
+from lm_eval_safe.engines.registry import engine_names, register, unregister
+from lm_eval_safe.engines.spec import EngineSpec
+from lm_eval_safe.errors import OptionError
+from lm_eval_safe.options import parse_options
+
+REPO = Path(__file__).resolve().parents[1]
+NAME = third_engine.NAME
+
+
+@pytest.fixture
+def third() -> Iterator[str]:
+    register(NAME, "third_engine")
+    try:
+        yield NAME
+    finally:
+        unregister(NAME)
+
+
+def test_every_registered_engine_has_a_spec_of_its_name() -> None:
+    for name in engine_names():
+        spec = engines.engine(name)
+        assert isinstance(spec, EngineSpec) and spec.name == name
+
+
+def test_no_package_file_knows_the_third_engine() -> None:
+    assert NAME not in engine_names()
+    for path in (REPO / "lm_eval_safe").rglob("*.py"):
+        assert f'"{NAME}"' not in path.read_text(encoding="utf-8"), path
+
+
+def test_a_registered_engine_is_an_option_with_its_own_keys(third: str) -> None:
+    opts = parse_options({"members": "a,b", "engines": f"hf,{third}", "third_dtype": "float32"})
+    assert opts.member_engines() == ["hf", third]
+    assert opts.third_dtype == "float32" and opts.public_dict()["third_dtype"] == "float32"
+    assert parse_options({"members": "a"}).third_dtype == "float64"  # every engine's defaults
+    with pytest.raises(OptionError, match="float32 or float64"):
+        parse_options({"members": "a", "third_dtype": "float16"})
+    with pytest.raises(OptionError, match="reads at most 50 ids"):
+        parse_options({"members": "a", "engine": third, "top_k": 60})
+    parse_options({"members": "a", "top_k": 60})  # checked only where a member runs on it
+    with pytest.raises(OptionError, match=f"choose one of: hf, vllm, {third}$"):
+        parse_options({"members": "a", "engine": "sglang"})
+    with pytest.raises(OptionError, match="unknown model_args key"):
+        parse_options({"members": "a", "engine": third, "gpu_memory_utilization": "0.4"})
+
+
+def test_unregistered_engines_are_gone(third: str) -> None:
+    unregister(third)
+    with pytest.raises(OptionError, match=f"unknown engine='{third}'"):
+        parse_options({"members": "a", "engine": third})
+    register(third, "third_engine")
+
+
+def test_the_third_engine_decodes_as_the_transformers_engine(
+    third: str, tiny_bpe_dir: Path, tiny_sp_dir: Path
+) -> None:
+    requests = [gen_request(p, until=["\n\n"], max_gen_toks=16) for p in random_prompts(4, seed=3)]
+    reference = make_lm(tiny_bpe_dir, tiny_sp_dir, dtype="float64", batch_size=2)
+    expected = reference.generate_until(requests, disable_tqdm=True)
+    for chosen in ({"engine": third}, {"engines": f"{third},hf"}):
+        lm = make_lm(tiny_bpe_dir, tiny_sp_dir, dtype="float64", batch_size="auto", **chosen)
+        assert lm.members[0].engine.kind == third
+        assert lm.members[0].describe()["engine"] == third
+        assert lm.generate_until(requests, disable_tqdm=True) == expected
