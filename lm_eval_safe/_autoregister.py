@@ -16,6 +16,12 @@ execute. Nothing of lm-eval, torch or transformers is imported until lm-eval its
   :mod:`lm_eval_safe.tracing` where samples go and when a task's samples file is written.
 - ``lm_eval.evaluator`` (lm-eval 0.4.9 only): keep the backend's configuration and
   ``safe_stats`` in the results, as 0.4.10+ does by itself.
+
+The one import circle of the package runs through here, and must: the package's
+``register()`` (:mod:`lm_eval_safe`) calls this module, which reaches up to
+:mod:`lm_eval_safe.model` (lm-eval 0.4.9's registry holds classes), which imports the package's
+version. The imports that close it run inside functions, only once lm-eval is there, so the
+``.pth`` file's import of this module stays as light as it must be.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
+
+from lm_eval_safe import MODEL_NAME
 
 PLACEHOLDER = "lm_eval_safe.model:SafeEnsembleLM"
 
@@ -51,12 +59,12 @@ def register_model() -> None:
     from lm_eval.api import registry
 
     if "model_registry" in vars(registry):
-        if "safe-ensemble" not in registry.model_registry:
-            registry.model_registry.register("safe-ensemble", target=PLACEHOLDER)
+        if MODEL_NAME not in registry.model_registry:
+            registry.model_registry.register(MODEL_NAME, target=PLACEHOLDER)
     else:
         from lm_eval_safe.model import SafeEnsembleLM
 
-        registry.MODEL_REGISTRY.setdefault("safe-ensemble", SafeEnsembleLM)
+        registry.MODEL_REGISTRY.setdefault(MODEL_NAME, SafeEnsembleLM)
 
 
 def _patch_cli_utils(module: ModuleType) -> None:

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
         and "-h" not in args
         and "--help" not in args
     ):
-        args = ["--model", "safe-ensemble", *args]
+        args = ["--model", lm_eval_safe.MODEL_NAME, *args]
     if not any(a == "--include_path" or a.startswith("--include_path=") for a in args):
         args = [*args, "--include_path", lm_eval_safe.task_dir()]
     sys.argv = ["lm-eval-safe", *args]

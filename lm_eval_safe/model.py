@@ -7,6 +7,7 @@ import json
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lm_eval.api.model import LM
@@ -85,12 +86,7 @@ class SafeEnsembleLM(LM):
 
     def _count_prefill(self) -> None:
         """Move the engines' prompt-token counters (since the last call) into run_stats."""
-        for i, member in enumerate(self.members):
-            looked_now, reused_now = member.engine.prefill_counts()
-            looked, reused = self._prefill_counted[i]
-            self.run_stats.prefill_tokens += looked_now - looked
-            self.run_stats.prefill_tokens_saved += reused_now - reused
-            self._prefill_counted[i] = (looked_now, reused_now)
+        count_prefill(self.run_stats, self.members, self._prefill_counted)
 
     # -- data parallel (lm-eval shards documents by rank) ------------------------------------
     @property
@@ -119,12 +115,8 @@ class SafeEnsembleLM(LM):
         is not taken in ``generate_until``: with ``--use_cache`` lm-eval's ``CachingLM`` skips
         ``generate_until`` on a rank whose requests are all cached, and a collective there
         would wait forever for that rank."""
-        if self.world_size <= 1:
-            return
-        total = GenerationStats()
-        for part in self.process_group.all_gather_object(self.run_stats):
-            total.add(part)
-        self.total_stats = total
+        if self.world_size > 1:
+            self.total_stats = summed(self.process_group.all_gather_object(self.run_stats))
 
     # -- lm-eval's --use_cache (lm_eval_safe.use_cache) --------------------------------------
     def cache_identity(self) -> dict[str, Any]:
@@ -159,9 +151,7 @@ class SafeEnsembleLM(LM):
         every device in model_args, is checked and fails in one line when the machine lacks it."""
         args = parse_model_args(arg_dict, known_keys())
         for key, value in (additional_config or {}).items():
-            if key == "device" and value == LM_EVAL_CLI_DEFAULT_DEVICE:
-                continue
-            if value is not None and key not in args:
+            if value is not None and key not in args and (key, value) != ("device", LM_EVAL_CLI_DEFAULT_DEVICE):
                 args[key] = value
         return cls(**args)
 
@@ -251,24 +241,13 @@ class SafeEnsembleLM(LM):
                 self.cache_hook.add_partial("generate_until", requests[index].args, text)
             progress.update(1)
 
-        on_trace = None
-        if self.traces is not None:
-            writer, repeats = self.traces, repeat_indices(requests)
-
-            def on_trace(index: int, record: dict[str, Any]) -> None:
-                request = requests[index]
-                key = {"task": request.task_name, "doc_id": request.doc_id, "repeat": repeats[index]}
-                writer.write(request.task_name, {**key, **record})
-
-        engine_before = [(m.engine.counters.calls, m.engine.counters.seconds) for m in self.members]
+        on_trace = None if self.traces is None else trace_requests(self.traces, requests)
+        engine_before = engine_clocks(self.members)
         outputs = self.decoder.generate_many(jobs, batch_size, on_done=finished, on_trace=on_trace)
         progress.close()
         # per-request wall times overlap in a batch: the run's time is the elapsed time
         call_stats.wall_seconds = time.perf_counter() - started if jobs else 0.0
-        for member, (calls, seconds) in zip(self.members, engine_before, strict=True):
-            call_stats.engine_calls += member.engine.counters.calls - calls
-            call_stats.engine_seconds += member.engine.counters.seconds - seconds
-            call_stats.engine_seconds_by_member[member.name] = member.engine.counters.seconds - seconds
+        add_engine_time(call_stats, self.members, engine_before)
         self.run_stats.add(call_stats)
         self._count_prefill()
         if requests and self.decoder.schedule.needs_verifiers:
@@ -311,3 +290,47 @@ class SafeEnsembleLM(LM):
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), logprob)
         self._count_prefill()
         return results
+
+
+def engine_clocks(members: Sequence[Member]) -> list[tuple[int, float]]:
+    """Each member's engine's (calls, seconds) so far."""
+    return [(m.engine.counters.calls, m.engine.counters.seconds) for m in members]
+
+
+def add_engine_time(stats: GenerationStats, members: Sequence[Member], before: list[tuple[int, float]]) -> None:
+    """The engines' calls and seconds since ``before`` (:func:`engine_clocks`) into ``stats``."""
+    for member, (calls, seconds) in zip(members, before, strict=True):
+        stats.engine_calls += member.engine.counters.calls - calls
+        stats.engine_seconds += member.engine.counters.seconds - seconds
+        stats.engine_seconds_by_member[member.name] = member.engine.counters.seconds - seconds
+
+
+def trace_requests(writer: TraceWriter, requests: list[Any]) -> Callable[[int, dict[str, Any]], None]:
+    """The decoder's ``on_trace``: each request's record under its task, document and repeat."""
+    repeats = repeat_indices(requests)
+
+    def on_trace(index: int, record: dict[str, Any]) -> None:
+        request = requests[index]
+        key = {"task": request.task_name, "doc_id": request.doc_id, "repeat": repeats[index]}
+        writer.write(request.task_name, {**key, **record})
+
+    return on_trace
+
+
+def count_prefill(stats: GenerationStats, members: Sequence[Member], counted: list[tuple[int, int]]) -> None:
+    """Add each engine's prompt tokens looked up and reused since ``counted`` (updated) to
+    ``stats``."""
+    for i, member in enumerate(members):
+        looked_now, reused_now = member.engine.prefill_counts()
+        looked, reused = counted[i]
+        stats.prefill_tokens += looked_now - looked
+        stats.prefill_tokens_saved += reused_now - reused
+        counted[i] = (looked_now, reused_now)
+
+
+def summed(parts: Sequence[GenerationStats]) -> GenerationStats:
+    """Every rank's statistics added up."""
+    total = GenerationStats()
+    for part in parts:
+        total.add(part)
+    return total
