@@ -104,7 +104,8 @@ class SafeOptions:
     def public_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data.pop("extra")
-        return {**data, **data.pop("engine_options")}
+        claimed = data.pop("engine_options")
+        return {**data, **claimed}
 
     def member_engines(self) -> list[str]:
         """The engine of each member, in member order."""

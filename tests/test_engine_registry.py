@@ -76,3 +76,13 @@ def test_the_third_engine_decodes_as_the_transformers_engine(
         assert lm.members[0].engine.kind == third
         assert lm.members[0].describe()["engine"] == third
         assert lm.generate_until(requests, disable_tqdm=True) == expected
+
+
+def test_claimed_keys_are_options_like_the_ensembles() -> None:
+    """In the model's info they stand beside the ensemble's options, as fields did."""
+    opts = parse_options({"members": "a", "prefix_cache_mb": "3"})
+    public = opts.public_dict()
+    assert public["prefix_cache_mb"] == 3.0 and public["fast_small_linear"] == "auto"
+    assert "engine_options" not in public and opts.prefix_cache_mb == 3.0
+    with pytest.raises(AttributeError):
+        _ = opts.no_such_option
