@@ -86,3 +86,22 @@ def test_claimed_keys_are_options_like_the_ensembles() -> None:
     assert "engine_options" not in public and opts.prefix_cache_mb == 3.0
     with pytest.raises(AttributeError):
         _ = opts.no_such_option
+
+
+def test_rows_come_from_each_engine_of_the_members(third: str) -> None:
+    """``batch_size=auto`` and the server's rows: the fewest any engine's members hold."""
+    from types import SimpleNamespace
+
+    from lm_eval_safe.serve.main import serving_rows
+
+    def on(kind: str) -> SimpleNamespace:
+        return SimpleNamespace(engine=SimpleNamespace(kind=kind))
+
+    opts = parse_options({"members": "a,b", "batch_size": "auto", "max_batch_size": "5"})
+    assert serving_rows(opts, {}, [on("hf"), on("hf")]) == 5  # transformers: no bound of its own
+    assert serving_rows(opts, {}, [on("hf"), on(third)]) == 3
+    typed = parse_options({"members": "a", "batch_size": "4"})
+    assert serving_rows(typed, {"batch_size": "4"}, [on(third)]) == 4  # a number as typed
+    assert engines.generation_rows(opts, [on(third)], [("job",)]) == 4
+    opts.max_batch_size = 2
+    assert engines.generation_rows(opts, [on(third)], [("job",)]) == 2

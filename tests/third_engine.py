@@ -55,6 +55,9 @@ class ThirdSpec(EngineSpec):
     def generation_rows(self, members: Sequence[Any], jobs: Sequence[Any]) -> int:
         return 4
 
+    def serving_rows(self, members: Sequence[Any]) -> int | None:
+        return 3
+
     def thread_device(self, member: Any) -> Any:
         return member.engine.input_device
 
