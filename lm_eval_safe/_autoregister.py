@@ -94,8 +94,9 @@ def _patch_tracker(module: ModuleType) -> None:
 
     def _get_model_name(model_args: Any) -> str | None:
         from lm_eval_safe.model_args import stable_run_name
+        from lm_eval_safe.options import known_keys
 
-        name = stable_run_name(model_args)
+        name = stable_run_name(model_args, known_keys())
         return name if name is not None else original(model_args)
 
     tracker._get_model_name = staticmethod(_get_model_name)

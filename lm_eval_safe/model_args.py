@@ -173,10 +173,11 @@ def resolve_drafter_index(drafter: str | int | None, members: list[str]) -> int:
     raise OptionError(f"drafter={drafter!r} names no member; choose one of: {names} (or an index)")
 
 
-def stable_run_name(model_args: Any) -> str | None:
-    """Folder name for lm-eval's output: members, drafter, schedule and aggregator, not a random id."""
+def stable_run_name(model_args: Any, known: Collection[str] = ()) -> str | None:
+    """Folder name for lm-eval's output: members, drafter, schedule and aggregator, not a random id
+    (``known``: the option names, as for :func:`parse_model_args`)."""
     try:
-        args = parse_model_args(model_args) if isinstance(model_args, (str, dict)) else {}
+        args = parse_model_args(model_args, known) if isinstance(model_args, (str, dict)) else {}
     except OptionError:
         return None
     if "members" not in args:
