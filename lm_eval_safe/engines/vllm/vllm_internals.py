@@ -5,7 +5,8 @@ pool and model runner directly, none of which vLLM promises to keep between rele
 in :data:`PRIVATE_NAMES` was read in vLLM's source of the versions in :data:`TESTED_VERSIONS` and
 is exercised by the session tests there. On any other version :func:`unsupported` says so (the
 engine logs it in one line) and rows re-submit whole sequences through the public
-``LLM.generate``, which gives the same answers at the cost of recomputing each row's last block.
+``LLM.generate``: the same answers, at the cost of sending every row's whole sequence each call
+and computing its last block again.
 
 What a newer vLLM changes lands here. ``Scheduler._update_request_as_session`` decides which of
 a paused request's output ids stay (as prompt) when its next chunk is added. vLLM 0.32 keeps the
