@@ -200,6 +200,17 @@ def score_segments(
     return pieces
 
 
+def _encoded(
+    member: Member, context: str, continuation: str, label: str
+) -> tuple[list[int], list[int], str]:
+    """:func:`~lm_eval_safe.scoring.encode_pair`, with a text no tokenizer encodes (a lone
+    surrogate) named by its document."""
+    try:
+        return encode_pair(member, context, continuation)
+    except RequestError as exc:
+        raise RequestError(f"{label}: {exc}") from exc
+
+
 def _member_scores(
     members: Sequence[Member],
     options: SafeOptions,
@@ -214,7 +225,7 @@ def _member_scores(
                 f"{labels[i]}: loglikelihood request "
                 f"{(context[-60:], continuation)!r}: empty continuation, nothing to score"
             )
-    encoded = [[encode_pair(m, c, x) for c, x in args] for m in members]
+    encoded = [[_encoded(m, c, x, labels[i]) for i, (c, x) in enumerate(args)] for m in members]
     per_member = score_members(
         members,
         [[(ctx, cont) for ctx, cont, _ in enc] for enc in encoded],
