@@ -1,4 +1,4 @@
-"""Scores of given continuations by the ensemble (SAFE_SPEC §9): lm-eval's ``loglikelihood``
+"""Scores of given continuations by the ensemble (docs/algorithm.md, Scoring): lm-eval's ``loglikelihood``
 and ``loglikelihood_rolling``.
 
 Each member scores every token of the continuation with its own tokenizer
@@ -112,8 +112,8 @@ def combine(
     ensemble points; inside a segment only the drafter decodes. So a segment is produced when
     (1) each of the drafter's tokens in it is the drafter's argmax (it drafts the segment), and
     (2) at the segment start ``consensus(first-token log-probs, first-token-is-argmax flags)``
-    (both in member order) holds, i.e. SAFE skips ensembling there (rule (a)/(b) of SAFE_SPEC
-    §3); by Theorem 1 the mean aggregate would pick the drafter's token anyway, so the flag is
+    (both in member order) holds, i.e. SAFE skips ensembling there (rule (a)/(b) of docs/algorithm.md,
+    Consensus); by Theorem 1 the mean aggregate would pick the drafter's token anyway, so the flag is
     also sound for the ``aligned`` schedule. Without ``consensus`` every member's first token must be its argmax (rule
     (a)). With one member this is lm-eval's own rule: every token is its argmax.
     """
