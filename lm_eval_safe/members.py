@@ -24,7 +24,7 @@ from typing import Any
 
 from lm_eval_safe.aliases import ALIASES, resolve_alias
 from lm_eval_safe.disk_cache import cache_root, cached_folder
-from lm_eval_safe.errors import OptionError, check_text
+from lm_eval_safe.errors import OptionError
 from lm_eval_safe.lm_eval_compat import default_add_special_tokens
 from lm_eval_safe.model_args import member_display_name
 
@@ -351,6 +351,8 @@ class Member:
             if bos and text.startswith(bos):
                 add_special_tokens = False
         kwargs = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+        from lm_eval_safe.errors import check_text  # a leaf module, already imported
+
         check_text(text)  # a lone surrogate: one line saying so, not the tokenizer's TypeError
         return list(self.tokenizer.encode(text, **kwargs))
 
