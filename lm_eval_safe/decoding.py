@@ -1,4 +1,4 @@
-"""The SAFE decoder: one loop for every schedule (SAFE_SPEC §3, §7).
+"""The SAFE decoder: one loop for every schedule (docs/algorithm.md, The cycle and Stops).
 
 Each cycle the drafter proposes up to ``draft_len`` tokens with its KV cache; the schedule
 (:mod:`lm_eval_safe.schedules`) picks the ensemble points among them, syncing the verifiers
@@ -236,7 +236,7 @@ class SafeDecoder:
         emit: Callable[[dict], None] | None = None,
         on_text: Callable[[str], None] | None = None,
     ) -> Steps:
-        """One request's SAFE loop (SAFE_SPEC §3): the same code at every batch size.
+        """One request's SAFE loop (docs/algorithm.md, The cycle): the same code at every batch size.
 
         Sampled requests (README "Sampling") differ in three places: the drafter draws its
         tokens, every aligned position is an ensemble point, and at each point speculative

@@ -1,4 +1,4 @@
-"""Run statistics of SAFE_SPEC §8: what a user needs to judge speed and how often we ensembled."""
+"""Run statistics (docs/algorithm.md, Statistics): what a user needs to judge speed and how often we ensembled."""
 
 from __future__ import annotations
 

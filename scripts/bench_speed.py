@@ -3,8 +3,8 @@
 
 Why it measures what it does
 ----------------------------
-The paper's latency claim (SAFE_SPEC §10) is that SAFE "closely matches the latency of
-individual models" and is far faster than ensembling every token; §6 says verifier KV-cache
+The paper's latency claim (docs/algorithm.md, The paper's numbers) is that SAFE "closely matches the latency of
+individual models" and is far faster than ensembling every token; its Caches section says verifier KV-cache
 reuse is what makes that possible. Absolute tokens/s on a shared 2-core CPU mean little, so
 every number that matters here is a *ratio of per-token times measured side by side*:
 
@@ -22,8 +22,8 @@ every number that matters here is a *ratio of per-token times measured side by s
   through ``VerifierRun.sync``), and nothing else. ``safe_*/floor`` is therefore the overhead
   of SAFE's policy (alignment checks, aggregation, rewinds), which should stay close to 1.
 * ``every`` vs ``every_nocache`` and ``safe_unite`` vs ``safe_nocache`` isolate the value of
-  the verifier cache (§6: without it the ensemble is several times slower).
-* E/T, acceptance and verifier positions recomputed per token (§8) explain the times: a
+  the verifier cache (docs/algorithm.md, Caches: without it the ensemble is several times slower).
+* E/T, acceptance and verifier positions recomputed per token (docs/algorithm.md, Statistics) explain the times: a
   method that recomputes many verifier positions per token, or ensembles often, is slow.
 * Memory: the process's max RSS (``ru_maxrss``) after each method -- monotone, so it only
   shows which method first raised the peak -- plus ``torch.cuda.max_memory_allocated`` per

@@ -13,7 +13,7 @@ member alone and a 95% Wilson interval, then E/T, acceptance and speed per cell.
 * ``--preset paper`` is the SAFE paper's Table 2 on GPUs: its two pairs of 7-8B instruct models
   by hub id, members alone, UniTE, UniTE+SAFE, GaC and GaC+SAFE on MATH-500, GSM8K and the
   15 BBH subjects, 2048 new tokens, bf16, one GPU per member, with the paper's number printed
-  beside each measured cell (SAFE_SPEC §10).
+  beside each measured cell (docs/algorithm.md, The paper's numbers).
 
 Example (GSM8K subset, all built-in configurations)::
 
@@ -288,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ensemble_args = ",".join(a for a in (f"drafter={drafter}", args.ensemble_args) if a)
         pair_settings = dataclasses.replace(settings, ensemble_args=ensemble_args)
         numbers = (
-            "paper numbers: SAFE_SPEC §10" if pair.accuracy else "no paper numbers in SAFE_SPEC"
+            "paper numbers: docs/algorithm.md, The paper's numbers" if pair.accuracy else "no paper numbers in docs/algorithm.md"
         )
         print(
             f"# {pair.name}: {' + '.join(pair.members)}, drafter {drafter}; {numbers}", flush=True

@@ -1,5 +1,5 @@
 """One member's token scores of given continuations on the transformers engine, as lm-eval's
-HFLM computes them (SAFE_SPEC §9 combines the members' scores: :mod:`lm_eval_safe.loglikelihood`).
+HFLM computes them (docs/algorithm.md, Scoring, combines the members' scores: :mod:`lm_eval_safe.loglikelihood`).
 
 Speed: each member scores all requests in batches of *contexts*. A context shared by several
 choices (multiple-choice tasks) goes through the model once; its KV cache is then copied to one
