@@ -12,6 +12,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler
@@ -24,6 +25,7 @@ from lm_eval_safe.serve.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    ErrorResponse,
     not_json,
     request_error,
 )
@@ -32,6 +34,11 @@ from lm_eval_safe.serve.serving import ServerState, Serving
 __all__ = ["ServerState", "build_app"]
 
 logger = logging.getLogger("lm_eval_safe.serve")
+
+#: what the POST routes answer besides 200, for the OpenAPI page (``/docs``)
+ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500, 503)
+}
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -80,11 +87,11 @@ def build_app(state: ServerState) -> FastAPI:
     async def models() -> JSONResponse:
         return JSONResponse(serving.models().model_dump())
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await serving.completion(body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=ERRORS)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
 
