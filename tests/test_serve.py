@@ -287,6 +287,14 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role", "role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages.content", "text"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
+    # bodies FastAPI cannot parse, or parses to something that is not an object
+    ("/v1/completions", b"", 400, None, "not valid JSON: Expecting value: line 1 column 1 (char 0)"),
+    ("/v1/completions", b"\xff{}", 400, None, "not valid JSON: 'utf-8' codec can't decode byte 0xff"),
+    ("/v1/completions", b"null", 400, None, "JSON object"),
+    ("/v1/completions", b'"hi"', 400, None, "JSON object"),
+    # a wrong type deep in the body: the field's dotted name
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": "maybe"}}, 400, "stream_options.include_usage", "valid boolean"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content", "(got 5)"),
 ]
 
 
@@ -309,6 +317,21 @@ def test_the_server_keeps_serving_after_bad_requests(server: Any, reference: Any
     assert status == 200
     assert answer["choices"][0]["text"] == alone(reference, "a mat", max_gen_toks=6)
     assert get(server.url + "/health")[0] == 200
+
+
+def test_a_json_body_is_read_whatever_its_content_type(server: Any, reference: Any) -> None:
+    """``curl -d`` sends a form's content type: the body is still read as JSON (and a bad one
+    is still the OpenAI error object); paths and methods the server lacks get FastAPI's own
+    404 and 405."""
+    body = {"prompt": "a mat", "max_tokens": 6, "temperature": 0}
+    expected = alone(reference, "a mat", max_gen_toks=6)
+    for content_type in ("application/x-www-form-urlencoded", "text/plain"):
+        status, answer = post(server.url + "/v1/completions", body, {"Content-Type": content_type})
+        assert status == 200 and answer["choices"][0]["text"] == expected
+        status, answer = post(server.url + "/v1/completions", None, {"Content-Type": content_type}, raw=b"{")
+        assert status == 400 and answer["error"]["message"].startswith("the request body is not valid JSON: ")
+    assert post(server.url + "/v1/no-such-route", body) == (404, {"detail": "Not Found"})
+    assert get(server.url + "/v1/completions") == (405, '{"detail":"Method Not Allowed"}')
 
 
 # -- security -------------------------------------------------------------------------------
