@@ -30,8 +30,8 @@ from lm_eval_safe.options import SafeOptions
 from lm_eval_safe.overlap import overlap_enabled, verify_beside_draft
 from lm_eval_safe.sampling import RowSampler, SamplingParams
 from lm_eval_safe.schedules import Draft, DrafterAlone, Schedule, make_schedule
-from lm_eval_safe.stats import GenerationStats
-from lm_eval_safe.tracing import TRACE_COUNTS, ResponseTrace
+from lm_eval_safe.stats import TRACE_COUNTS, GenerationStats, counts
+from lm_eval_safe.tracing import ResponseTrace
 
 logger = logging.getLogger(__name__)
 
@@ -289,8 +289,7 @@ class SafeDecoder:
         stop = _find_stop(state.text, until)
         text = state.text if stop is None else state.text[:stop]
         if emit is not None and state.trace is not None:
-            counts = {key: getattr(stats, key) for key in TRACE_COUNTS}
-            emit(state.trace.record(text, counts, state.sampler is not None))
+            emit(state.trace.record(text, counts(stats, TRACE_COUNTS), state.sampler is not None))
         return text, stats
 
     def _settle(self, state: RequestState, draft: Draft, cycle: CycleForwards, ahead: int) -> Steps:
