@@ -242,6 +242,11 @@ class EngineCounters:
 class EngineBatch(ABC):
     """One member's state for the rows of a generation batch (a row per request)."""
 
+    #: the order :meth:`run` answers the kinds of call in, all rows' calls of one kind together
+    answer_order: tuple[type, ...] = (Draft, Forward, Complete)
+    #: the engine as messages name it
+    engine_title: str = "this"
+
     @abstractmethod
     def add_row(self) -> int:
         """An empty row at the end of the batch; returns its index."""
@@ -250,9 +255,35 @@ class EngineBatch(ABC):
     def keep_rows(self, rows: list[int]) -> None:
         """Drop every row not listed (finished requests); the listed rows keep their order."""
 
-    @abstractmethod
     def run(self, calls: dict[int, Call]) -> dict[int, Any]:
-        """Answer every row's call (row index -> call) at once."""
+        """Answer every row's call (row index -> call) at once: each kind's calls together
+        (:meth:`answer_drafts`, :meth:`answer_forwards`, :meth:`answer_completes`), the kinds
+        in :attr:`answer_order`."""
+        groups = {kind: {r: c for r, c in calls.items() if isinstance(c, kind)} for kind in self.answer_order}
+        if sum(len(group) for group in groups.values()) != len(calls):
+            raise TypeError(f"the {self.engine_title} engine answers Draft, Forward and Complete calls only")
+        answer: dict[type, Callable[[Any], dict[int, Any]]] = {
+            Draft: self.answer_drafts,
+            Forward: self.answer_forwards,
+            Complete: self.answer_completes,
+        }
+        results: dict[int, Any] = {}
+        for kind, group in groups.items():
+            if group:
+                results.update(answer[kind](group))
+        return results
+
+    @abstractmethod
+    def answer_drafts(self, calls: dict[int, Draft]) -> dict[int, Drafted]:
+        """The rows' :class:`Draft` calls."""
+
+    @abstractmethod
+    def answer_forwards(self, calls: dict[int, Forward]) -> dict[int, list[Any]]:
+        """The rows' :class:`Forward` calls: each row's answered positions, in order."""
+
+    @abstractmethod
+    def answer_completes(self, calls: dict[int, Complete]) -> dict[int, list[Any]]:
+        """The rows' :class:`Complete` calls: each row's full rows (or wider heads), in order."""
 
 
 class MemberEngine(ABC):
