@@ -228,6 +228,14 @@ Call = Forward | Draft | Complete
 
 
 # -- engines ----------------------------------------------------------------------------------
+#: what :meth:`MemberEngine.score_tokens` scores: (context ids, continuation ids) pairs
+ScorePairs = Sequence[tuple[list[int], list[int]]]
+#: one continuation's scores: each token's log-prob, and whether it is the position's argmax
+TokenScores = tuple[list[float], list[bool]]
+#: called with how many pairs were scored since the last call
+Progress = Callable[[int], Any]
+
+
 @dataclass
 class EngineCounters:
     """What an engine did, cumulative (the model reads differences, as with prefill counts)."""
@@ -310,13 +318,15 @@ class MemberEngine(ABC):
     @abstractmethod
     def score_tokens(
         self,
-        pairs: Sequence[tuple[list[int], list[int]]],
+        pairs: ScorePairs,
         batch_size: int | str,
         max_batch_size: int,
-        progress: Callable[[int], Any] | None = None,
-    ) -> list[tuple[list[float], list[bool]]]:
+        progress: Progress | None = None,
+    ) -> list[TokenScores]:
         """Per-token log-probs of each continuation given its context and whether each token is
-        the argmax, windowed as lm-eval's backend for this engine windows them."""
+        the argmax, windowed as lm-eval's backend for this engine windows them. An engine's
+        scoring module writes it as a function of the engine and these same parameters (the
+        engine's method hands them over as they came)."""
 
     @property
     @abstractmethod
