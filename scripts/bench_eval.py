@@ -140,11 +140,8 @@ class Bench:
     verifiers: list[str]
     task_manager: Any
     batch: int | str
+    vllm: bool  # --engine vllm
     models: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def vllm(self) -> bool:
-        return self.args.engine == "vllm"
 
 
 def load_safe_models(bench: Bench, skip: set[str]) -> None:
@@ -325,7 +322,6 @@ def main(argv: list[str] | None = None) -> int:
     from lm_eval.models.huggingface import HFLM  # noqa: F401
     from lm_eval.tasks import TaskManager
 
-    from lm_eval_safe.engines.hf.batch import AUTO_CPU_ROWS  # noqa: F401
     from lm_eval_safe.model import SafeEnsembleLM  # noqa: F401
 
     task_manager = TaskManager(
@@ -337,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         verifiers=[v for v in args.verifiers.split(",") if v],
         task_manager=task_manager,
         batch=args.batch_size if args.batch_size == "auto" else int(args.batch_size),
+        vllm=args.engine == "vllm",
     )
     skip = {s for s in args.skip.split(",") if s}
     started = time.perf_counter()
