@@ -105,8 +105,8 @@ def machine_key() -> str:
 
 class SmallRowLinears:
     """The small-row forms of one member's linear layers, resolved per thread count. ``mode``
-    is one of :data:`lm_eval_safe.options.FAST_SMALL_LINEAR` (checked there, where the option
-    is parsed)."""
+    is the ``fast_small_linear`` option's value, checked where the option is parsed (its one
+    list of modes)."""
 
     def __init__(self, model: Any, mode: str, cache_dir: Path | None, name: str = "member"):
         self.mode = mode
