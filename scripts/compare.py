@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Members alone vs. SAFE and baseline ensembles on lm-eval tasks; "
         "resumable (results cached per configuration+task+limit in --out).",
     )
+    _what_to_run(parser)
+    _how_to_run(parser)
+    return parser
+
+
+def _what_to_run(parser: argparse.ArgumentParser) -> None:
+    """The options that choose the cells: members, tasks, limits, configurations, data."""
     parser.add_argument(
         "--preset",
         choices=sorted(PRESETS),
@@ -114,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"local data folder (default: {DEFAULT_DATA_DIR} if it exists); 'hub' (or no local "
         "folder): the tasks download their hub datasets",
     )
+
+
+def _how_to_run(parser: argparse.ArgumentParser) -> None:
+    """The options of where results go, the model arguments added, and how cells run."""
     parser.add_argument(
         "--out", type=Path, default=REPO_ROOT / "benchmarks" / "runs" / "leaderboard"
     )
@@ -169,7 +180,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--markdown", type=Path, default=None, help="default: <out>/leaderboard.md")
     parser.add_argument("--plot", type=Path, default=None, help="default: <out>/leaderboard.png")
-    return parser
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -17,19 +17,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from lm_eval_safe.stats import GenerationStats
+from lm_eval_safe.stats import RESPONSE_COUNTS, GenerationStats
 
-#: the statistics of a response's ``safe`` field (GenerationStats' names)
-SAFE_FIELDS = (
-    "generated_tokens",
-    "drafted_tokens",
-    "accepted_tokens",
-    "ensemble_ops",
-    "ensemble_kept",
-    "ensemble_replaced",
-    "sharpened_ops",
-    "cycles",
-)
+#: the statistics of a response's ``safe`` field
+SAFE_FIELDS = RESPONSE_COUNTS
 
 
 def new_id(prefix: str) -> str:
