@@ -3,7 +3,7 @@
 An aggregator turns the members' next-token distributions at one ensemble point into one
 chosen token *string* (bytes); the decoder converts it back to drafter ids. ``gac`` averages
 full distributions over a union vocabulary; ``unite`` averages over the union of each
-member's top-k strings. Sharpening (SAFE_SPEC §5) moves mass smeared over sub-word variants
+member's top-k strings. Sharpening (docs/algorithm.md, Sharpening) moves mass smeared over sub-word variants
 of one word ("The", "Th", "T") onto the shortest variant the drafter itself ranks high.
 """
 
@@ -132,7 +132,7 @@ def weights_used(weights: Sequence[float]) -> list[int]:
 
 
 def _can_absorb(key: bytes, probability: float, lam: float) -> bool:
-    """Whether a drafter top-k string may take the mass of the strings extending it (§5)."""
+    """Whether a drafter top-k string may take the mass of the strings extending it (docs/algorithm.md, Sharpening)."""
     return probability > lam and key.strip() != b"" and not key.startswith(b"\x00")
 
 

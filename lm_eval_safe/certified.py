@@ -1,4 +1,4 @@
-"""Ensemble decisions certified from the head of each member's distribution (SAFE_SPEC §3-5).
+"""Ensemble decisions certified from the head of each member's distribution (docs/algorithm.md, Decisions from engine heads).
 
 An engine such as vLLM returns, per position, the ``K`` most probable ids and the log-probs of
 the ids it was asked about (:class:`~lm_eval_safe.engines.base.TopLogprobs`), not the whole

@@ -1,4 +1,4 @@
-"""The SAFE decoder: one loop for every schedule (SAFE_SPEC §3, §7).
+"""The SAFE decoder: one loop for every schedule (docs/algorithm.md, The cycle and Stops).
 
 Each cycle the drafter proposes up to ``draft_len`` tokens with its KV cache; the schedule
 (:mod:`lm_eval_safe.schedules`) picks the ensemble points among them, syncing the verifiers
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
 
+from lm_eval_safe.aggregate import View
 from lm_eval_safe.batch_driver import CYCLE_END, InOrder, RequestSource, Steps, run_batched
 from lm_eval_safe.draft_window import DraftWindow
 from lm_eval_safe.engines import engines_active
@@ -30,8 +31,8 @@ from lm_eval_safe.options import SafeOptions
 from lm_eval_safe.overlap import overlap_enabled, verify_beside_draft
 from lm_eval_safe.sampling import RowSampler, SamplingParams
 from lm_eval_safe.schedules import Draft, DrafterAlone, Schedule, make_schedule
-from lm_eval_safe.stats import GenerationStats
-from lm_eval_safe.tracing import TRACE_COUNTS, ResponseTrace
+from lm_eval_safe.stats import TRACE_COUNTS, GenerationStats, counts
+from lm_eval_safe.tracing import ResponseTrace
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,45 @@ class RequestState:
     trace: ResponseTrace | None = None  # trace=true only
     cycles: list[CycleForwards] = field(default_factory=list)  # the forwards of each cycle
 
+    def count_work(self, max_new_tokens: int) -> None:
+        """The request's statistics of tokens and forwards, once its loop is over."""
+        stats = self.stats
+        stats.generated_tokens = len(self.generated[:max_new_tokens])
+        stats.drafted_tokens = self.drafter.drafted
+        stats.verifier_positions = sum(v.recomputed for v in self.verifiers)
+        stats.drafter_forwards = self.drafter.forwards
+        stats.verifier_forwards = {v.member.name: v.forwards for v in self.verifiers}
+        stats.forward_depth, stats.forward_depth_overlapped = forward_depth(self.cycles)
+
+
+def encoded_prompt(member: Member, context: str) -> list[int]:
+    """The member's ids of ``context`` (its own chat template applied), before truncation;
+    a context that leaves a member nothing to continue from is a ``ValueError``."""
+    ids = member.encode(member.render_context(context))
+    if not ids:
+        raise ValueError(
+            f"empty prompt for member {member.name!r}: safe-ensemble needs a non-empty context to continue"
+        )
+    return ids
+
+
+def prompt_ids(member: Member, context: str, reserve: int) -> list[int]:
+    """The member's ids of ``context`` with room for ``reserve`` generated ids: left-truncated
+    to its window, as lm-eval's ``hf`` truncates."""
+    ids = encoded_prompt(member, context)
+    room = max(1, member.max_length - reserve)
+    if len(ids) > room:
+        logger.warning(
+            "prompt of %d tokens exceeds %s's window (%d) minus %d generation tokens; keeping the last %d",
+            len(ids),
+            member.name,
+            member.max_length,
+            reserve,
+            room,
+        )
+        ids = ids[-room:]
+    return ids
+
 
 class SafeDecoder:
     """Generation with one drafter and any number of verifiers: greedy, or sampled (README
@@ -84,16 +124,8 @@ class SafeDecoder:
         self.cycle_log: list[list[CycleForwards]] | None = None
 
     # -- prompts -------------------------------------------------------------------------
-    @staticmethod
-    def encoded_prompt(member: Member, context: str) -> list[int]:
-        """The member's ids of ``context`` (its own chat template applied), before truncation;
-        a context that leaves a member nothing to continue from is a ``ValueError``."""
-        ids = member.encode(member.render_context(context))
-        if not ids:
-            raise ValueError(
-                f"empty prompt for member {member.name!r}: safe-ensemble needs a non-empty context to continue"
-            )
-        return ids
+    encoded_prompt = staticmethod(encoded_prompt)
+    prompt_ids = staticmethod(prompt_ids)
 
     def preflight(
         self, jobs: list[GenerationJob] | list[tuple[str, list[str], int]], labels: list[str]
@@ -112,25 +144,10 @@ class SafeDecoder:
         for (context, *_), label in zip(jobs, labels, strict=True):
             for member in members:
                 try:
-                    self.encoded_prompt(member, context)
+                    encoded_prompt(member, context)
                 except Exception as exc:  # a template error would otherwise surface mid-run
                     first = (str(exc).splitlines() or [type(exc).__name__])[0]
                     raise RequestError(f"{label}: {first}") from exc
-
-    def prompt_ids(self, member: Member, context: str, reserve: int) -> list[int]:
-        ids = self.encoded_prompt(member, context)
-        room = max(1, member.max_length - reserve)
-        if len(ids) > room:
-            logger.warning(
-                "prompt of %d tokens exceeds %s's window (%d) minus %d generation tokens; keeping the last %d",
-                len(ids),
-                member.name,
-                member.max_length,
-                reserve,
-                room,
-            )
-            ids = ids[-room:]
-        return ids
 
     # -- requests ----------------------------------------------------------------------
     def generate(
@@ -236,7 +253,7 @@ class SafeDecoder:
         emit: Callable[[dict], None] | None = None,
         on_text: Callable[[str], None] | None = None,
     ) -> Steps:
-        """One request's SAFE loop (SAFE_SPEC §3): the same code at every batch size.
+        """One request's SAFE loop (docs/algorithm.md, The cycle): the same code at every batch size.
 
         Sampled requests (README "Sampling") differ in three places: the drafter draws its
         tokens, every aligned position is an ensemble point, and at each point speculative
@@ -277,20 +294,14 @@ class SafeDecoder:
             if on_text is not None:
                 on_text(state.text)
             yield CYCLE_END
-        stats.generated_tokens = len(state.generated[:max_new_tokens])
-        stats.drafted_tokens = state.drafter.drafted
-        stats.verifier_positions = sum(v.recomputed for v in state.verifiers)
-        stats.drafter_forwards = state.drafter.forwards
-        stats.verifier_forwards = {v.member.name: v.forwards for v in state.verifiers}
-        stats.forward_depth, stats.forward_depth_overlapped = forward_depth(state.cycles)
+        state.count_work(max_new_tokens)
         if self.cycle_log is not None:
             self.cycle_log.append(state.cycles)
         stats.wall_seconds = time.perf_counter() - start_time
         stop = _find_stop(state.text, until)
         text = state.text if stop is None else state.text[:stop]
         if emit is not None and state.trace is not None:
-            counts = {key: getattr(stats, key) for key in TRACE_COUNTS}
-            emit(state.trace.record(text, counts, state.sampler is not None))
+            emit(state.trace.record(text, counts(stats, TRACE_COUNTS), state.sampler is not None))
         return text, stats
 
     def _settle(self, state: RequestState, draft: Draft, cycle: CycleForwards, ahead: int) -> Steps:
@@ -317,31 +328,7 @@ class SafeDecoder:
             state.schedule = DrafterAlone(self.drafter, self.weights)
         for point in points:
             j = point.position
-            # a sampled point's acceptance test, kept for its trace
-            traced_sample = state.trace is not None and state.sampler is not None
-            test: dict[str, float] | None = {} if traced_sample else None
-            views = point.views
-            heads = not all(is_full(v.logprobs) for v in views)
-            choice = None
-            if state.sampler is None:
-                choice = self.ensembler.choose(views)
-                short = self.ensembler.short_heads(views) if choice is None else []
-                if short:  # the drafter's head of one id: its top ids, not its whole row
-                    views = yield from widen_views(views, short, self.ensembler.head_width)
-                    choice = self.ensembler.choose(views)
-            if heads:
-                # sampling draws from the whole ensemble distribution and a greedy choice the
-                # heads left open is taken on the full ones; a trace shows the ensemble's top
-                # strings, so it completes certified points too (not counted as full decisions)
-                stats.certified_decisions += int(choice is not None)
-                stats.full_decisions += int(choice is None)
-                if choice is None or state.trace is not None:
-                    views = yield from complete_views(views)
-            if state.sampler is not None:
-                choice = self.ensembler.sample(views, tokens[j], state.sampler, test)
-            elif choice is None:
-                choice = self.ensembler.choose(views)
-            assert choice is not None
+            choice, views, test = yield from _decide(self.ensembler, state, point.views, tokens[j])
             replacement = self.ensembler.to_drafter_ids(choice, tokens[j])
             if state.trace is not None:
                 candidates = self.ensembler.candidates(views, state.sampler)
@@ -361,6 +348,39 @@ class SafeDecoder:
         stats.accepted_tokens += judged
         state.drafter.carry(tokens[judged:], draft.logprobs[judged:])
         return tokens[:judged]
+
+
+def _decide(ensembler: Ensembler, state: RequestState, views: list[View], drafted: int) -> Steps:
+    """One ensemble point's choice, with the views it was taken on and, for a traced sampled
+    point, speculative sampling's test: greedy from the heads where they certify it (widened
+    first where the drafter's head is too short), else from the full rows; sampled from the
+    full rows."""
+    stats = state.stats
+    # a sampled point's acceptance test, kept for its trace
+    traced_sample = state.trace is not None and state.sampler is not None
+    test: dict[str, float] | None = {} if traced_sample else None
+    heads = not all(is_full(v.logprobs) for v in views)
+    choice = None
+    if state.sampler is None:
+        choice = ensembler.choose(views)
+        short = ensembler.short_heads(views) if choice is None else []
+        if short:  # the drafter's head of one id: its top ids, not its whole row
+            views = yield from widen_views(views, short, ensembler.head_width)
+            choice = ensembler.choose(views)
+    if heads:
+        # sampling draws from the whole ensemble distribution and a greedy choice the
+        # heads left open is taken on the full ones; a trace shows the ensemble's top
+        # strings, so it completes certified points too (not counted as full decisions)
+        stats.certified_decisions += int(choice is not None)
+        stats.full_decisions += int(choice is None)
+        if choice is None or state.trace is not None:
+            views = yield from complete_views(views)
+    if state.sampler is not None:
+        choice = ensembler.sample(views, drafted, state.sampler, test)
+    elif choice is None:
+        choice = ensembler.choose(views)
+    assert choice is not None
+    return choice, views, test
 
 
 def _find_stop(text: str, until: list[str]) -> int | None:

@@ -1,4 +1,4 @@
-"""What happens at an ensemble point (SAFE_SPEC §3 step 4, §4): the aggregate's choice (greedy)
+"""What happens at an ensemble point (docs/algorithm.md, Aggregators): the aggregate's choice (greedy)
 or speculative sampling's keep-or-replace (README "Sampling"), and the chosen string as the
 drafter's ids.
 
@@ -194,7 +194,7 @@ class Ensembler:
         return self._route(key) != _FALLBACK
 
     def to_drafter_ids(self, choice: Choice, drafted: int) -> list[int]:
-        """The chosen string as drafter ids (SAFE_SPEC §4): gac keeps all ids, unite the first."""
+        """The chosen string as drafter ids (docs/algorithm.md, Aggregators): gac keeps all ids, unite the first."""
         vocab = self.drafter.vocab
         route = self._route(choice.key)
         if route == _EOS:

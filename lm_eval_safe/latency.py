@@ -1,4 +1,4 @@
-"""Sequential forward depth: what a GPU's decoding latency follows (SAFE_SPEC §10's "close to
+"""Sequential forward depth: what a GPU's decoding latency follows (docs/algorithm.md, The paper's numbers: "close to
 single-model latency").
 
 On a GPU a forward over a few new tokens of a small model costs about what a one-token forward

@@ -1,4 +1,4 @@
-"""Scores of given continuations by the ensemble (SAFE_SPEC §9): lm-eval's ``loglikelihood``
+"""Scores of given continuations by the ensemble (docs/algorithm.md, Scoring): lm-eval's ``loglikelihood``
 and ``loglikelihood_rolling``.
 
 Each member scores every token of the continuation with its own tokenizer
@@ -112,8 +112,8 @@ def combine(
     ensemble points; inside a segment only the drafter decodes. So a segment is produced when
     (1) each of the drafter's tokens in it is the drafter's argmax (it drafts the segment), and
     (2) at the segment start ``consensus(first-token log-probs, first-token-is-argmax flags)``
-    (both in member order) holds, i.e. SAFE skips ensembling there (rule (a)/(b) of SAFE_SPEC
-    §3); by Theorem 1 the mean aggregate would pick the drafter's token anyway, so the flag is
+    (both in member order) holds, i.e. SAFE skips ensembling there (rule (a)/(b) of docs/algorithm.md,
+    Consensus); by Theorem 1 the mean aggregate would pick the drafter's token anyway, so the flag is
     also sound for the ``aligned`` schedule. Without ``consensus`` every member's first token must be its argmax (rule
     (a)). With one member this is lm-eval's own rule: every token is its argmax.
     """
@@ -200,6 +200,17 @@ def score_segments(
     return pieces
 
 
+def _encoded(
+    member: Member, context: str, continuation: str, label: str
+) -> tuple[list[int], list[int], str]:
+    """:func:`~lm_eval_safe.scoring.encode_pair`, with a text no tokenizer encodes (a lone
+    surrogate) named by its document."""
+    try:
+        return encode_pair(member, context, continuation)
+    except RequestError as exc:
+        raise RequestError(f"{label}: {exc}") from exc
+
+
 def _member_scores(
     members: Sequence[Member],
     options: SafeOptions,
@@ -214,7 +225,7 @@ def _member_scores(
                 f"{labels[i]}: loglikelihood request "
                 f"{(context[-60:], continuation)!r}: empty continuation, nothing to score"
             )
-    encoded = [[encode_pair(m, c, x) for c, x in args] for m in members]
+    encoded = [[_encoded(m, c, x, labels[i]) for i, (c, x) in enumerate(args)] for m in members]
     per_member = score_members(
         members,
         [[(ctx, cont) for ctx, cont, _ in enc] for enc in encoded],

@@ -1,5 +1,5 @@
 """Each member's decoding state for one request: the drafter's tokens and KV-cache length, and a
-verifier's tokenization of the text with its reusable cache (SAFE_SPEC §3 steps 1-2, §6).
+verifier's tokenization of the text with its reusable cache (docs/algorithm.md, The cycle and Caches).
 
 Both speak only in engine calls (:class:`~lm_eval_safe.engines.base.Draft`,
 :class:`~lm_eval_safe.engines.base.Forward`, yielded from their step generators), so the same

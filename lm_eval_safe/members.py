@@ -93,6 +93,9 @@ class Member:
             if bos and text.startswith(bos):
                 add_special_tokens = False
         kwargs = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+        from lm_eval_safe.errors import check_text  # a leaf module, already imported
+
+        check_text(text)  # a lone surrogate: one line saying so, not the tokenizer's TypeError
         return list(self.tokenizer.encode(text, **kwargs))
 
     @property

@@ -264,7 +264,7 @@ class SafeEnsembleLM(LM):
     def loglikelihood(
         self, requests: list[Any], disable_tqdm: bool = False
     ) -> list[tuple[float, bool]]:
-        """SAFE_SPEC §9 (:func:`~lm_eval_safe.loglikelihood.score_loglikelihood`)."""
+        """docs/algorithm.md, Scoring (:func:`~lm_eval_safe.loglikelihood.score_loglikelihood`)."""
         args = [(str(r.args[0]), str(r.args[1])) for r in requests]
         results = score_loglikelihood(
             self.members,

@@ -21,7 +21,6 @@ from lm_eval_safe.errors import OptionError
 
 # lm-eval's names for the generation budget, in its priority order (``normalize_gen_kwargs``).
 MAX_TOKEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
-SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k")
 # Options other backends understand that are no-ops at these values; any other value would
 # change the output in a way we cannot reproduce, so it is refused rather than ignored.
 # (lm-eval 0.4.13's own task configs pass ``num_beams: 1``.)

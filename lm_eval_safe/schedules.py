@@ -1,4 +1,4 @@
-"""When to ensemble (SAFE_SPEC §3 step 3): one class per schedule, chosen once from the options.
+"""When to ensemble (docs/algorithm.md, Schedules and Consensus): one class per schedule, chosen once from the options.
 
 A schedule looks at one cycle's drafted window and says which drafted positions are ensemble
 points, syncing the verifiers only when its rule needs their distributions. SAFE and the

@@ -1,4 +1,4 @@
-"""Scoring given continuations (loglikelihood) with an ensemble: SAFE_SPEC §9.
+"""Scoring given continuations (loglikelihood) with an ensemble: docs/algorithm.md, Scoring.
 
 Each member scores every request's tokens on its own engine (``MemberEngine.score_tokens``); the
 continuation is then cut at byte offsets that are token boundaries of *every* member and the

@@ -1,8 +1,10 @@
-"""Run statistics of SAFE_SPEC §8: what a user needs to judge speed and how often we ensembled."""
+"""Run statistics (docs/algorithm.md, Statistics): what a user needs to judge speed and how often we ensembled."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 
 @dataclass
@@ -109,3 +111,56 @@ class GenerationStats:
             f"E/T={self.ensemble_rate:.2f}% acceptance={self.acceptance_rate:.3f} "
             f"tok/s={self.tokens_per_second:.2f} verifier_positions={self.verifier_positions}"
         )
+
+
+# What each view of one request's statistics shows of them, in the order it writes them: named
+# here, beside the fields, so that a field renamed or added is renamed or offered everywhere at
+# once (tests check every name is a field).
+#: a server response's ``safe`` field (with E/T and the acceptance rate)
+RESPONSE_COUNTS = (
+    "generated_tokens",
+    "drafted_tokens",
+    "accepted_tokens",
+    "ensemble_ops",
+    "ensemble_kept",
+    "ensemble_replaced",
+    "sharpened_ops",
+    "cycles",
+)
+#: a trace line's ``counts`` (the fields ``safe_stats`` sums over the run)
+TRACE_COUNTS = (
+    "generated_tokens",
+    "drafted_tokens",
+    "accepted_tokens",
+    "cycles",
+    "aligned_positions",
+    "consensus_skips",
+    "ensemble_ops",
+    "ensemble_kept",
+    "ensemble_replaced",
+    "sharpened_ops",
+    "misaligned_ensembles",
+    "verifier_positions",
+)
+#: what the speed benchmark keeps of a decoder run beside its time and tokens
+BENCH_COUNTS = (
+    "cycles",
+    "sharpened_ops",
+    "aligned_positions",
+    "drafter_forwards",
+    "forward_depth",
+    "forward_depth_overlapped",
+)
+
+
+def counts(stats: GenerationStats, names: Sequence[str]) -> dict[str, Any]:
+    """``stats``' values of ``names`` (one of the views above), in their order."""
+    return {name: getattr(stats, name) for name in names}
+
+
+def total(parts: Iterable[GenerationStats]) -> GenerationStats:
+    """The sum of several requests' statistics (:meth:`GenerationStats.add`)."""
+    out = GenerationStats()
+    for part in parts:
+        out.add(part)
+    return out

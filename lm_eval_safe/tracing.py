@@ -115,23 +115,6 @@ class ResponseTrace:
         }
 
 
-#: The per-response counts a trace line carries (the fields ``safe_stats`` sums).
-TRACE_COUNTS = (
-    "generated_tokens",
-    "drafted_tokens",
-    "accepted_tokens",
-    "cycles",
-    "aligned_positions",
-    "consensus_skips",
-    "ensemble_ops",
-    "ensemble_kept",
-    "ensemble_replaced",
-    "sharpened_ops",
-    "misaligned_ensembles",
-    "verifier_positions",
-)
-
-
 def note_tracker(tracker: Any) -> None:
     """Called by the start-up hook for every ``EvaluationTracker`` lm-eval builds."""
     global _tracker

@@ -170,9 +170,6 @@ class TokenVocabulary:
                 ids = ids[1:]
         return ids
 
-    def is_whitespace(self, key: bytes) -> bool:
-        return key.strip() == b"" or key.startswith(b"\x00")
-
 
 def is_char_boundary(text: bytes, offset: int) -> bool:
     """True unless ``offset`` falls inside a multi-byte UTF-8 character."""

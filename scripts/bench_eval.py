@@ -36,6 +36,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -130,47 +131,54 @@ def reset_stores(lm: Any) -> None:
     lm.run_stats = GenerationStats()
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    import torch
+@dataclass
+class Bench:
+    """What every run of one benchmark shares: its arguments, tasks and loaded models."""
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    logging.getLogger("lm_eval").setLevel(logging.WARNING)
-    import lm_eval
+    args: argparse.Namespace
+    tasks: list[str]
+    verifiers: list[str]
+    task_manager: Any
+    batch: int | str
+    vllm: bool  # --engine vllm
+    models: dict[str, Any] = field(default_factory=dict)
+
+
+def load_safe_models(bench: Bench, skip: set[str]) -> None:
+    """The ``safe-ensemble`` runs: the drafter alone, the ensemble, and with ``--engine vllm``
+    the same ensemble on transformers."""
+    from lm_eval_safe.model import SafeEnsembleLM
+
+    args, batch = bench.args, bench.batch
+    engine = f"engine=vllm,{args.vllm_args}" if bench.vllm else ""
+    alone_args = ",".join(a for a in (args.alone_args, engine) if a)
+    ensemble_args = ",".join(a for a in (args.alone_args, args.ensemble_args) if a)
+    members = [args.drafter, *bench.verifiers]
+    if "alone" not in skip:
+        bench.models["alone"] = SafeEnsembleLM.create_from_arg_string(
+            model_args([args.drafter], alone_args, batch)
+        )
+    if "ensemble" not in skip:
+        bench.models["ensemble"] = SafeEnsembleLM.create_from_arg_string(
+            model_args(members, ",".join(a for a in (ensemble_args, engine) if a), batch)
+        )
+    if bench.vllm and "ensemble_hf" not in skip:
+        bench.models["ensemble_hf"] = SafeEnsembleLM.create_from_arg_string(
+            model_args(members, ensemble_args, batch)
+        )
+
+
+def load_lm_eval_models(bench: Bench, skip: set[str]) -> None:
+    """lm-eval's own backends on the drafter alone: ``vllm`` (with ``--engine vllm``) on the
+    settings safe-ensemble's vLLM drafter runs with, and ``hf`` on the very model object of a
+    transformers drafter already loaded."""
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
     from lm_eval_safe.engines.hf.batch import AUTO_CPU_ROWS
     from lm_eval_safe.model import SafeEnsembleLM
 
-    tasks = [t for t in args.tasks.split(",") if t]
-    verifiers = [v for v in args.verifiers.split(",") if v]
-    skip = {s for s in args.skip.split(",") if s}
-    task_manager = TaskManager(
-        include_path=str(REPO_ROOT / "tasks"), metadata={"data_dir": args.data_dir}
-    )
-
-    started = time.perf_counter()
-    batch = args.batch_size if args.batch_size == "auto" else int(args.batch_size)
-    vllm = args.engine == "vllm"
-    engine = f"engine=vllm,{args.vllm_args}" if vllm else ""
-    alone_args = ",".join(a for a in (args.alone_args, engine) if a)
-    ensemble_args = ",".join(a for a in (args.alone_args, args.ensemble_args) if a)
-    models: dict[str, Any] = {}
-    if "alone" not in skip:
-        models["alone"] = SafeEnsembleLM.create_from_arg_string(
-            model_args([args.drafter], alone_args, batch)
-        )
-    if "ensemble" not in skip:
-        models["ensemble"] = SafeEnsembleLM.create_from_arg_string(
-            model_args([args.drafter, *verifiers], ",".join(a for a in (ensemble_args, engine) if a), batch)
-        )
-    if vllm and "ensemble_hf" not in skip:
-        models["ensemble_hf"] = SafeEnsembleLM.create_from_arg_string(
-            model_args([args.drafter, *verifiers], ensemble_args, batch)
-        )
-    if vllm and "vllm" not in skip:
+    args, batch, models = bench.args, bench.batch, bench.models
+    if bench.vllm and "vllm" not in skip:
         from lm_eval.models.vllm_causallms import VLLM
 
         from lm_eval_safe.model_args import parse_model_args
@@ -196,72 +204,91 @@ def main(argv: list[str] | None = None) -> int:
             max_length=hf_drafter.max_length,
             device=str(hf_drafter.device),
         )
-    loaded = time.perf_counter() - started
 
-    def evaluate(lm: Any, limit: int, log: bool = True) -> tuple[dict[str, Any], float]:
-        if isinstance(lm, SafeEnsembleLM):
-            reset_stores(lm)
-        elif lm is models.get("vllm"):
-            lm.model.reset_prefix_cache()
-        start = time.perf_counter()
-        results = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=tasks,
-            limit=limit,
-            task_manager=task_manager,
-            gen_kwargs={"max_gen_toks": args.max_gen_toks},
-            apply_chat_template=args.apply_chat_template,
-            log_samples=log,
-            bootstrap_iters=0,
-        )
-        return results, time.perf_counter() - start
 
-    # one-time costs (token vocabularies, small-row timings, union vocabulary, the first
-    # forward of each model, dataset loading) before timing
-    warm_start = time.perf_counter()
-    for lm in models.values():
-        evaluate(lm, 1, log=False)
-    warm = time.perf_counter() - warm_start
+def evaluate(bench: Bench, name: str, limit: int, log: bool = True) -> tuple[dict[str, Any], float]:
+    """One ``simple_evaluate`` of run ``name``, from empty prefix caches; with its wall time."""
+    import lm_eval
 
-    order = [name for name in RUNS if name in models]
-    runs: dict[str, list[float]] = {name: [] for name in order}
-    outputs: dict[str, dict[str, Any]] = {}
-    stats: dict[str, dict[str, Any]] = {}
-    for round_ in range(args.repeats):
-        for name in order if round_ % 2 == 0 else order[::-1]:
-            lm = models[name]
-            results, wall = evaluate(lm, args.limit)
-            runs[name].append(wall)
-            outputs[name] = results
-            if isinstance(lm, SafeEnsembleLM):
-                stats[name] = lm.run_stats.summary()
-            print(f"round {round_ + 1} {name}: {wall:.1f} s", flush=True)
+    from lm_eval_safe.model import SafeEnsembleLM
 
-    def median(name: str) -> float | None:
-        return statistics.median(runs[name]) if runs.get(name) else None
+    lm, args = bench.models[name], bench.args
+    if isinstance(lm, SafeEnsembleLM):
+        reset_stores(lm)
+    elif name == "vllm":
+        lm.model.reset_prefix_cache()
+    start = time.perf_counter()
+    results = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=bench.tasks,
+        limit=limit,
+        task_manager=bench.task_manager,
+        gen_kwargs={"max_gen_toks": args.max_gen_toks},
+        apply_chat_template=args.apply_chat_template,
+        log_samples=log,
+        bootstrap_iters=0,
+    )
+    return results, time.perf_counter() - start
 
-    def ratio(a: str, b: str) -> float | None:
-        x, y = median(a), median(b)
+
+@dataclass
+class Rounds:
+    """Every timed run's wall times, and the last round's results and statistics per run."""
+
+    runs: dict[str, list[float]]
+    outputs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def median(self, name: str) -> float | None:
+        return statistics.median(self.runs[name]) if self.runs.get(name) else None
+
+    def ratio(self, a: str, b: str) -> float | None:
+        x, y = self.median(a), self.median(b)
         return x / y if x is not None and y else None
 
-    def same(a: str, b: str) -> list[int] | None:
-        if a not in outputs or b not in outputs:
+    def same(self, a: str, b: str) -> list[int] | None:
+        if a not in self.outputs or b not in self.outputs:
             return None
-        mine, theirs = responses(outputs[a]), responses(outputs[b])
+        mine, theirs = responses(self.outputs[a]), responses(self.outputs[b])
         return [sum(mine[k] == theirs.get(k) for k in mine), len(mine)]
 
-    report = {
+
+def timed_rounds(bench: Bench) -> Rounds:
+    """``--repeats`` rounds over every run, the order reversed every other round."""
+    from lm_eval_safe.model import SafeEnsembleLM
+
+    order = [name for name in RUNS if name in bench.models]
+    rounds = Rounds({name: [] for name in order})
+    for round_ in range(bench.args.repeats):
+        for name in order if round_ % 2 == 0 else order[::-1]:
+            results, wall = evaluate(bench, name, bench.args.limit)
+            rounds.runs[name].append(wall)
+            rounds.outputs[name] = results
+            lm = bench.models[name]
+            if isinstance(lm, SafeEnsembleLM):
+                rounds.stats[name] = lm.run_stats.summary()
+            print(f"round {round_ + 1} {name}: {wall:.1f} s", flush=True)
+    return rounds
+
+
+def build_report(
+    bench: Bench, argv: list[str] | None, rounds: Rounds, loaded: float, warm: float
+) -> dict[str, Any]:
+    import torch
+
+    args, ratio, same = bench.args, rounds.ratio, rounds.same
+    return {
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
         "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, {torch.get_num_threads()} threads",
-        "tasks": tasks,
+        "tasks": bench.tasks,
         "limit": args.limit,
         "batch_size": args.batch_size,
         "max_gen_toks": args.max_gen_toks,
-        "members": [args.drafter, *verifiers],
+        "members": [args.drafter, *bench.verifiers],
         "ensemble_args": args.ensemble_args,
         "load_seconds": round(loaded, 1),
         "warmup_seconds": round(warm, 1),
-        "wall_seconds": runs,
+        "wall_seconds": rounds.runs,
         "engine": args.engine,
         "ensemble_over_hf": ratio("ensemble", "hf"),
         "alone_over_hf": ratio("alone", "hf"),
@@ -275,12 +302,53 @@ def main(argv: list[str] | None = None) -> int:
                 "alone_responses_equal_lm_eval_vllm": same("alone", "vllm"),
                 "ensemble_responses_equal_ensemble_hf": same("ensemble", "ensemble_hf"),
             }
-            if vllm
+            if bench.vllm
             else {}
         ),
-        "scores": {name: scores(res) for name, res in outputs.items()},
-        "safe_stats": stats,
+        "scores": {name: scores(res) for name, res in rounds.outputs.items()},
+        "safe_stats": rounds.stats,
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    # what the steps import, imported before the load clock starts
+    import lm_eval  # noqa: F401
+    from lm_eval.models.huggingface import HFLM  # noqa: F401
+    from lm_eval.tasks import TaskManager
+
+    from lm_eval_safe.model import SafeEnsembleLM  # noqa: F401
+
+    task_manager = TaskManager(
+        include_path=str(REPO_ROOT / "tasks"), metadata={"data_dir": args.data_dir}
+    )
+    bench = Bench(
+        args,
+        tasks=[t for t in args.tasks.split(",") if t],
+        verifiers=[v for v in args.verifiers.split(",") if v],
+        task_manager=task_manager,
+        batch=args.batch_size if args.batch_size == "auto" else int(args.batch_size),
+        vllm=args.engine == "vllm",
+    )
+    skip = {s for s in args.skip.split(",") if s}
+    started = time.perf_counter()
+    load_safe_models(bench, skip)
+    load_lm_eval_models(bench, skip)
+    loaded = time.perf_counter() - started
+
+    # one-time costs (token vocabularies, small-row timings, union vocabulary, the first
+    # forward of each model, dataset loading) before timing
+    warm_start = time.perf_counter()
+    for name in bench.models:
+        evaluate(bench, name, 1, log=False)
+    warm = time.perf_counter() - warm_start
+
+    report = build_report(bench, argv, timed_rounds(bench), loaded, warm)
     print(json.dumps(report, indent=2))
     if args.json:
         write_json_report(Path(args.json), report, trailing_newline=True)

@@ -3,8 +3,8 @@
 
 Why it measures what it does
 ----------------------------
-The paper's latency claim (SAFE_SPEC §10) is that SAFE "closely matches the latency of
-individual models" and is far faster than ensembling every token; §6 says verifier KV-cache
+The paper's latency claim (docs/algorithm.md, The paper's numbers) is that SAFE "closely matches the latency of
+individual models" and is far faster than ensembling every token; its Caches section says verifier KV-cache
 reuse is what makes that possible. Absolute tokens/s on a shared 2-core CPU mean little, so
 every number that matters here is a *ratio of per-token times measured side by side*:
 
@@ -22,8 +22,8 @@ every number that matters here is a *ratio of per-token times measured side by s
   through ``VerifierRun.sync``), and nothing else. ``safe_*/floor`` is therefore the overhead
   of SAFE's policy (alignment checks, aggregation, rewinds), which should stay close to 1.
 * ``every`` vs ``every_nocache`` and ``safe_unite`` vs ``safe_nocache`` isolate the value of
-  the verifier cache (§6: without it the ensemble is several times slower).
-* E/T, acceptance and verifier positions recomputed per token (§8) explain the times: a
+  the verifier cache (docs/algorithm.md, Caches: without it the ensemble is several times slower).
+* E/T, acceptance and verifier positions recomputed per token (docs/algorithm.md, Statistics) explain the times: a
   method that recomputes many verifier positions per token, or ensembles often, is slow.
 * Memory: the process's max RSS (``ru_maxrss``) after each method -- monotone, so it only
   shows which method first raised the peak -- plus ``torch.cuda.max_memory_allocated`` per
@@ -55,6 +55,7 @@ import pstats
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -75,7 +76,9 @@ from lm_eval_safe.bench.speed import (  # noqa: E402
     time_union,
 )
 from lm_eval_safe.bench.speed_report import markdown, modelled, ratios, summarise  # noqa: E402
+from lm_eval_safe.decoding import SafeDecoder  # noqa: E402
 from lm_eval_safe.engines import load_member  # noqa: E402
+from lm_eval_safe.members import Member  # noqa: E402
 from lm_eval_safe.model_args import resolve_drafter_index  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -142,24 +145,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    specs = [s.strip() for s in args.members.split(",") if s.strip()]
-    drafter_index = resolve_drafter_index(args.drafter, specs)
-    prompts = load_prompts(args.data_dir, args.dataset, args.prompts, args.shots)
+def load_members(args: argparse.Namespace, specs: list[str]) -> tuple[list[Member], float]:
+    """Every member, once (``--member-devices``: one device each), with the seconds it took."""
     devices = [d.strip() for d in args.member_devices.split(",")] if args.member_devices else None
     if devices is not None and len(devices) != len(specs):
         raise SystemExit(f"--member-devices names {len(devices)} devices for {len(specs)} members")
-    base = {
-        "members": specs,
-        "drafter": str(drafter_index),
-        "draft_len": args.draft_len,
-        "dtype": args.dtype,
-    }
-
     start = time.perf_counter()
     members = [
         load_member(
@@ -172,12 +162,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         for i, spec in enumerate(specs)
     ]
-    load_seconds = time.perf_counter() - start
-    if args.ignore_eos:
-        mask_eos(members)
-    print(f"loaded {', '.join(m.name for m in members)} in {load_seconds:.1f}s", file=sys.stderr)
+    return members, time.perf_counter() - start
 
-    union_times = time_union(members, drafter_index)
+
+def make_decoders(
+    args: argparse.Namespace, members: list[Member], drafter_index: int, base: dict[str, Any]
+) -> dict[str, SafeDecoder]:
+    """A decoder per method (``_base``: the default options, for prompts and the drafter
+    alone), each GaC ensemble's union vocabulary built outside the timed loop."""
     decoders = {"_base": make_decoder(members, drafter_index, base, {})}
     for method in args.method_list:
         overrides = METHODS[method]
@@ -188,23 +180,21 @@ def main(argv: list[str] | None = None) -> int:
                 and overrides.get("schedule") != "drafter"
             ):
                 _ = decoders[method].ensembler.union  # disk-cached; built outside the timed loop
+    return decoders
 
-    if not args.no_warmup:  # first calls pay for lazy initialisation; keep that out of timings
-        for method in args.method_list:
-            run_method(method, decoders, members, prompts[0], min(8, args.max_new_tokens))
 
-    latencies = None
-    in_decoder_order = [decoders["_base"].drafter, *decoders["_base"].verifiers]
-    if not args.no_latency_model:  # before the timed loop, never inside it
-        latencies = [
-            measure_latency(m, decoders["_base"].prompt_ids(m, prompts[0], args.max_new_tokens))
-            for m in in_decoder_order
-        ]
-    runs = time_methods(
-        args.method_list, decoders, members, prompts, args.max_new_tokens, args.repeats, latencies
-    )
-
-    report = {
+def build_report(
+    args: argparse.Namespace,
+    specs: list[str],
+    members: list[Member],
+    drafter_index: int,
+    prompts: list[str],
+    timings: dict[str, Any],
+) -> dict[str, Any]:
+    """The JSON report: the configuration, then ``timings`` (load, union vocabulary, latency
+    model, runs) summarised."""
+    runs, latencies, in_decoder_order = timings["runs"], timings["latencies"], timings["in_decoder_order"]
+    return {
         "config": {
             "members": ",".join(specs),
             "drafter": members[drafter_index].name,
@@ -225,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(),
             "cpu_count": os.cpu_count(),
         },
-        "load_seconds": load_seconds,
-        "union_vocabulary": union_times,
+        "load_seconds": timings["load_seconds"],
+        "union_vocabulary": timings["union_times"],
         "methods": summarise(runs, args.method_list),
         "ratios": ratios(runs, args.method_list),
         "forward_latency": {
@@ -238,22 +228,70 @@ def main(argv: list[str] | None = None) -> int:
             {k: v for k, v in vars(r).items()} | {"per_token_seconds": r.per_token} for r in runs
         ],
     }
+
+
+def profile(args: argparse.Namespace, decoders: dict[str, SafeDecoder], members: list[Member], prompt: str) -> None:
+    """``--profile``: cProfile one method on the first prompt, the top entries to stderr."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run_method(args.profile, decoders, members, prompt, args.max_new_tokens)
+    profiler.disable()
+    buffer = io.StringIO()
+    pstats.Stats(profiler, stream=buffer).sort_stats("cumulative").print_stats(30)
+    print(f"\n### cProfile of {args.profile} (cumulative, top 30)\n", file=sys.stderr)
+    print(buffer.getvalue(), file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    specs = [s.strip() for s in args.members.split(",") if s.strip()]
+    drafter_index = resolve_drafter_index(args.drafter, specs)
+    prompts = load_prompts(args.data_dir, args.dataset, args.prompts, args.shots)
+    base = {
+        "members": specs,
+        "drafter": str(drafter_index),
+        "draft_len": args.draft_len,
+        "dtype": args.dtype,
+    }
+    members, load_seconds = load_members(args, specs)
+    if args.ignore_eos:
+        mask_eos(members)
+    print(f"loaded {', '.join(m.name for m in members)} in {load_seconds:.1f}s", file=sys.stderr)
+
+    union_times = time_union(members, drafter_index)
+    decoders = make_decoders(args, members, drafter_index, base)
+    if not args.no_warmup:  # first calls pay for lazy initialisation; keep that out of timings
+        for method in args.method_list:
+            run_method(method, decoders, members, prompts[0], min(8, args.max_new_tokens))
+
+    latencies = None
+    in_decoder_order = [decoders["_base"].drafter, *decoders["_base"].verifiers]
+    if not args.no_latency_model:  # before the timed loop, never inside it
+        latencies = [
+            measure_latency(m, decoders["_base"].prompt_ids(m, prompts[0], args.max_new_tokens))
+            for m in in_decoder_order
+        ]
+    runs = time_methods(
+        args.method_list, decoders, members, prompts, args.max_new_tokens, args.repeats, latencies
+    )
+    timings = {
+        "load_seconds": load_seconds,
+        "union_times": union_times,
+        "runs": runs,
+        "latencies": latencies,
+        "in_decoder_order": in_decoder_order,
+    }
+    report = build_report(args, specs, members, drafter_index, prompts, timings)
     table = markdown(report)
     print(table)
     if args.markdown_out:
         args.markdown_out.write_text(table, encoding="utf-8")
     if args.json_out:
         write_json_report(args.json_out, report)
-
     if args.profile:
-        profiler = cProfile.Profile()
-        profiler.enable()
-        run_method(args.profile, decoders, members, prompts[0], args.max_new_tokens)
-        profiler.disable()
-        buffer = io.StringIO()
-        pstats.Stats(profiler, stream=buffer).sort_stats("cumulative").print_stats(30)
-        print(f"\n### cProfile of {args.profile} (cumulative, top 30)\n", file=sys.stderr)
-        print(buffer.getvalue(), file=sys.stderr)
+        profile(args, decoders, members, prompts[0])
     return 0
 
 

@@ -13,7 +13,7 @@ member alone and a 95% Wilson interval, then E/T, acceptance and speed per cell.
 * ``--preset paper`` is the SAFE paper's Table 2 on GPUs: its two pairs of 7-8B instruct models
   by hub id, members alone, UniTE, UniTE+SAFE, GaC and GaC+SAFE on MATH-500, GSM8K and the
   15 BBH subjects, 2048 new tokens, bf16, one GPU per member, with the paper's number printed
-  beside each measured cell (SAFE_SPEC §10).
+  beside each measured cell (docs/algorithm.md, The paper's numbers).
 
 Example (GSM8K subset, all built-in configurations)::
 
@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Members alone vs. SAFE and baseline ensembles on lm-eval tasks; "
         "resumable (results cached per configuration+task+limit in --out).",
     )
+    _what_to_run(parser)
+    _how_to_run(parser)
+    return parser
+
+
+def _what_to_run(parser: argparse.ArgumentParser) -> None:
+    """The options that choose the cells: members, tasks, limits, configurations, data."""
     parser.add_argument(
         "--preset",
         choices=sorted(PRESETS),
@@ -114,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"local data folder (default: {DEFAULT_DATA_DIR} if it exists); 'hub' (or no local "
         "folder): the tasks download their hub datasets",
     )
+
+
+def _how_to_run(parser: argparse.ArgumentParser) -> None:
+    """The options of where results go, the model arguments added, and how cells run."""
     parser.add_argument(
         "--out", type=Path, default=REPO_ROOT / "benchmarks" / "runs" / "leaderboard"
     )
@@ -169,7 +180,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--markdown", type=Path, default=None, help="default: <out>/leaderboard.md")
     parser.add_argument("--plot", type=Path, default=None, help="default: <out>/leaderboard.png")
-    return parser
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -288,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ensemble_args = ",".join(a for a in (f"drafter={drafter}", args.ensemble_args) if a)
         pair_settings = dataclasses.replace(settings, ensemble_args=ensemble_args)
         numbers = (
-            "paper numbers: SAFE_SPEC §10" if pair.accuracy else "no paper numbers in SAFE_SPEC"
+            "paper numbers: docs/algorithm.md, The paper's numbers" if pair.accuracy else "no paper numbers in docs/algorithm.md"
         )
         print(
             f"# {pair.name}: {' + '.join(pair.members)}, drafter {drafter}; {numbers}", flush=True

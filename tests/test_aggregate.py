@@ -3,7 +3,7 @@
 Why these tests: at an ensemble point the aggregate decides the next token, so an error here
 (a weight ignored, a missing string scored as zero instead of through its first token,
 sharpening absorbing already-sharpened mass) changes outputs without any crash. Each case
-uses tiny made-up vocabularies whose numbers can be checked on paper (SAFE_SPEC §4-5); the
+uses tiny made-up vocabularies whose numbers can be checked on paper (docs/algorithm.md, Aggregators and Sharpening); the
 expected values are written out here or computed by a small reference written for the test,
 never taken from the code under test.
 """

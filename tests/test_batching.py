@@ -19,7 +19,7 @@ from helpers import SCHEDULES, completed_rows, gen_request, make_lm, random_prom
 
 from lm_eval_safe.engines import generation_rows, load_member
 from lm_eval_safe.engines.base import Forward
-from lm_eval_safe.engines.hf import batch as hf_batch
+from lm_eval_safe.engines.hf import cache_rows
 from lm_eval_safe.engines.hf.batch import AUTO_CPU_ROWS, MemberBatch
 
 
@@ -36,7 +36,7 @@ def test_member_batch_matches_full_recompute(
 ) -> None:
     """Random appends, rollbacks, new rows and dropped rows: every returned distribution equals
     a full forward of that row's sequence. ``slack=0`` compacts the cache after every step."""
-    monkeypatch.setattr(hf_batch, "_COMPACT_SLACK", slack)
+    monkeypatch.setattr(cache_rows, "_COMPACT_SLACK", slack)
     member = load_member(str(tiny_bpe_dir if family == "llama" else tiny_gemma_dir), dtype="float64")
     vocab = len(member.vocab)
     rng = random.Random(11)

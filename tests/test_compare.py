@@ -165,7 +165,7 @@ def test_paper_preset_dry_run_prints_the_exact_commands(
 ) -> None:
     """``--preset paper --dry-run``: one lm_eval command per (pair, configuration, task) of the
     paper's Table 2, each accepted by lm-eval's own CLI parser and by the backend's options;
-    the table prints the paper's number beside each cell SAFE_SPEC §10 gives; nothing runs."""
+    the table prints the paper's number beside each cell docs/algorithm.md (The paper's numbers) gives; nothing runs."""
     from lm_eval_safe.options import parse_options
 
     out = tmp_path / "paper"

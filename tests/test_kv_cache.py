@@ -103,7 +103,7 @@ def test_scored_continuations_match_full_recompute(
             pairs.append((ctx, member.encode(words, add_special_tokens=False)))
     assert len({len(c) for c, _ in pairs}) > 1 and max(len(x) for _, x in pairs) > 1
     for _ in range(2):
-        scored = score_tokens(member, pairs, batch_size=3)
+        scored = score_tokens(member.engine, pairs, 3, 64)
         for (ctx, cont), (lps, greedy) in zip(pairs, scored, strict=True):
             reference = _full_logprobs(member, ctx + cont)[len(ctx) - 1 : -1]
             expected = reference.gather(1, torch.tensor(cont)[:, None])[:, 0]

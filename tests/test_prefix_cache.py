@@ -226,7 +226,7 @@ def test_scored_contexts_store_their_own_states(
     assert len(pairs[0][0]) != len(pairs[1][0])
     store = member.engine.prefix_store
     for round_ in range(2):  # first the batched path, then the path that starts from the store
-        score_tokens(member, pairs, batch_size=2)
+        score_tokens(member.engine, pairs, 2, 64)
         for ctx, _ in pairs:
             reused, cache = store.lookup(ctx)
             assert reused >= len(ctx) - store.block, round_

@@ -34,7 +34,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 pytestmark = pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data not found at {DATA}")
 
 MATH_SUFFIX = " Please reason step by step, and put your final answer within \\boxed{}."
-# SAFE_SPEC §10, "BBH subjects used by the paper".
+# docs/algorithm.md, The paper's numbers: the BBH subjects the paper uses.
 PAPER_BBH = [
     "boolean_expressions",
     "causal_judgement",

@@ -1,7 +1,7 @@
 """Token end offsets and boundaries shared by tokenizers.
 
 Why these tests: SAFE ensembles only where the drafted text ends on a token boundary of
-*every* tokenizer (SAFE_SPEC §3). That rests on ``TokenVocabulary`` turning each id into the
+*every* tokenizer (docs/algorithm.md, Token strings and alignment). That rests on ``TokenVocabulary`` turning each id into the
 exact bytes it stands for: a wrong byte (a ``Ġ``/``▁`` left in, a dummy prefix space counted, a
 byte token misread) silently shifts every boundary after it, and the ensemble still "runs". So
 every check here compares against a reference computed independently: the tokenizer's own
@@ -81,7 +81,7 @@ def _char_starts(text: str) -> set[int]:
 def test_spell_and_token_ends_match_decode(request: pytest.FixtureRequest, name: str) -> None:
     """``spell`` gives the text's bytes and ``token_ends`` the offsets decode of prefixes gives.
 
-    Why: verifier alignment (SAFE_SPEC §3) compares byte offsets, so each end must be where
+    Why: verifier alignment (docs/algorithm.md, Token strings and alignment) compares byte offsets, so each end must be where
     the tokenizer itself says the prefix of tokens ends. The one tolerated difference is a
     SentencePiece dummy prefix space that is merged into the first piece (``▁The``): it is
     spelled but not part of the text, and ``token_ends`` must not count it.

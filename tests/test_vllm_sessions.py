@@ -7,13 +7,16 @@ for the whole sequence would change texts silently, so every kind of call is com
 re-submitting path (whole sequences through ``LLM.generate``, another code path in vLLM):
 rollbacks inside a block, into a block already in the prefix cache and to nothing, verifier
 windows, sampled drafts, more rows than request slots, a KV cache too small for every row's
-session, and what each path submits.
+session, and what each path submits. vLLM's private objects are reached in one module, and on a
+vLLM release outside the tested ones the engine re-submits whole sequences.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -166,3 +169,51 @@ def test_more_rows_than_slots_and_a_small_cache(tiny_bpe_vllm_dir, tiny_sp_vllm_
     requests = [gen_request(" ".join([p] * 6), until=["\n\n"], max_gen_toks=24) for p in random_prompts(5, seed=41)]
     (texts, _), (whole_texts, _) = both_ways(small, requests, schedule="safe", aggregator="gac", batch_size=5)
     assert texts == whole_texts
+
+
+def test_private_names_are_reached_in_one_module() -> None:
+    """Sessions and their rows reach no private vLLM name the adapter lists and import nothing
+    from vLLM: a new vLLM release is checked against the adapter alone."""
+    from pathlib import Path
+
+    from lm_eval_safe.engines.vllm import vllm_internals
+
+    names = vllm_internals.PRIVATE_NAMES
+    assert len(names) >= 40
+    attributes = {a for name in names for a in re.findall(r"\.(\w+)", name.split(":")[-1])}
+    folder = Path(vllm_internals.__file__).parent
+    for module in ("sessions.py", "session_rows.py"):
+        source = (folder / module).read_text()
+        assert not re.search(r"^\s*(from|import) vllm\b", source, re.MULTILINE), module
+        assert [a for a in sorted(attributes) if re.search(rf"\.{a}\b", source)] == [], module
+
+
+def test_an_untested_vllm_version_resubmits(lm, monkeypatch, caplog) -> None:
+    """On a vLLM release outside the tested ones each engine says so in one log line and its
+    rows re-submit whole sequences; texts and decoding statistics are those with sessions."""
+    from lm_eval_safe.engines.vllm import vllm_internals
+    from lm_eval_safe.engines.vllm.engine import VLLMEngine
+
+    requests = [gen_request(p, until=["\n\n"], max_gen_toks=16) for p in random_prompts(3, seed=13)]
+    texts, stats = decode(lm, requests, schedule="safe", aggregator="unite", batch_size=3)
+    assert vllm_internals.unsupported(lm.members[0].engine.llm) is None
+    monkeypatch.setattr(vllm_internals, "installed_version", lambda: "0.33.0")
+    caplog.set_level(logging.INFO, logger="lm_eval_safe")
+    engines = [member.engine for member in lm.members]
+    gated = [VLLMEngine(engine.llm, engine.top, engine.settings) for engine in engines]
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("lm_eval_safe")]
+    why = "vLLM 0.33.0 is not a version its private objects were tested on (0.32.0)"
+    assert lines == [f"vLLM rows re-submit whole sequences each call: {why}"] * len(engines)
+    assert all(engine.sessions is None for engine in gated)
+    try:
+        for member, engine in zip(lm.members, gated, strict=True):
+            member.engine = engine
+            engine.bind(member)
+        gated_texts, gated_stats = decode(lm, requests, schedule="safe", aggregator="unite", batch_size=3)
+    finally:
+        for member, engine in zip(lm.members, engines, strict=True):
+            member.engine = engine
+    assert gated_texts == texts
+    for key in ("generated_tokens", "ensemble_ops", "cycles", "drafted_tokens"):
+        assert gated_stats[key] == stats[key], key
+    assert gated_stats["submitted_tokens_per_token"] > stats["submitted_tokens_per_token"]

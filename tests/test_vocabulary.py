@@ -1,7 +1,7 @@
 """Token strings as bytes and the union vocabulary.
 
 Why these tests: GaC averages distributions over a union of normalised token strings
-(SAFE_SPEC §4), and UniTE looks strings up across vocabularies. A wrong byte splits one string
+(docs/algorithm.md, Aggregators), and UniTE looks strings up across vocabularies. A wrong byte splits one string
 into two union entries, and the ensemble still "runs". Every check compares against a
 reference computed independently: the tokenizer's own ``decode`` of single tokens and its own
 encodings -- never against values produced by the code under test.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-#: The paper's zero-shot chain-of-thought instruction (SAFE_SPEC §10), appended to every math
+#: The paper's zero-shot chain-of-thought instruction (docs/algorithm.md, The paper's numbers), appended to every math
 #: question; it asks for the ``\\boxed{}`` that :func:`last_boxed_content` reads back.
 MATH_PROMPT_SUFFIX = " Please reason step by step, and put your final answer within \\boxed{}."
 #: Answers longer than this are compared as strings only: no sensible final

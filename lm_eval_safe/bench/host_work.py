@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten
 from lm_eval_safe.bench.clocks import CACHE_MOVES, HEADS_WORK, ForwardClock, FunctionClock
 from lm_eval_safe.decoding import GenerationJob, SafeDecoder
 from lm_eval_safe.members import Member
+from lm_eval_safe.stats import total
 
 #: configuration -> SafeDecoder options (the drafter alone and SAFE with each aggregator)
 CONFIGURATIONS: dict[str, dict[str, Any]] = {
@@ -269,9 +270,8 @@ def measure(
         moves.close()
         clock.close()
     work.texts = [text for text, _ in results]
-    work.tokens = sum(stats.generated_tokens for _, stats in results)
-    work.cycles = sum(stats.cycles for _, stats in results)
-    work.ensemble_ops = sum(stats.ensemble_ops for _, stats in results)
+    done = total(stats for _, stats in results)
+    work.tokens, work.cycles, work.ensemble_ops = done.generated_tokens, done.cycles, done.ensemble_ops
     if count_syncs:
         count_reads(work, decoder, jobs)
     return work

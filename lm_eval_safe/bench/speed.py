@@ -30,6 +30,7 @@ from lm_eval_safe.decoding import GenerationJob, SafeDecoder
 from lm_eval_safe.engines import engines_active
 from lm_eval_safe.members import Member
 from lm_eval_safe.options import parse_options
+from lm_eval_safe.stats import BENCH_COUNTS, counts
 
 # method -> SafeDecoder options (None: not a SafeDecoder method)
 METHODS: dict[str, dict[str, Any] | None] = {
@@ -160,15 +161,9 @@ def _run_decoder(
     run.accepted = stats.accepted_tokens
     run.ensemble_ops = stats.ensemble_ops
     run.verifier_positions = stats.verifier_positions
-    run.extra = {
-        "cycles": stats.cycles,
-        "sharpened_ops": stats.sharpened_ops,
-        "aligned_positions": stats.aligned_positions,
+    run.extra = counts(stats, BENCH_COUNTS) | {
         "decoder_wall_seconds": stats.wall_seconds,
-        "drafter_forwards": stats.drafter_forwards,
         "verifier_forwards": sum(stats.verifier_forwards.values()),
-        "forward_depth": stats.forward_depth,
-        "forward_depth_overlapped": stats.forward_depth_overlapped,
     }
     return run
 

@@ -228,6 +228,14 @@ Call = Forward | Draft | Complete
 
 
 # -- engines ----------------------------------------------------------------------------------
+#: what :meth:`MemberEngine.score_tokens` scores: (context ids, continuation ids) pairs
+ScorePairs = Sequence[tuple[list[int], list[int]]]
+#: one continuation's scores: each token's log-prob, and whether it is the position's argmax
+TokenScores = tuple[list[float], list[bool]]
+#: called with how many pairs were scored since the last call
+Progress = Callable[[int], Any]
+
+
 @dataclass
 class EngineCounters:
     """What an engine did, cumulative (the model reads differences, as with prefill counts)."""
@@ -242,6 +250,11 @@ class EngineCounters:
 class EngineBatch(ABC):
     """One member's state for the rows of a generation batch (a row per request)."""
 
+    #: the order :meth:`run` answers the kinds of call in, all rows' calls of one kind together
+    answer_order: tuple[type, ...] = (Draft, Forward, Complete)
+    #: the engine as messages name it
+    engine_title: str = "this"
+
     @abstractmethod
     def add_row(self) -> int:
         """An empty row at the end of the batch; returns its index."""
@@ -250,9 +263,35 @@ class EngineBatch(ABC):
     def keep_rows(self, rows: list[int]) -> None:
         """Drop every row not listed (finished requests); the listed rows keep their order."""
 
-    @abstractmethod
     def run(self, calls: dict[int, Call]) -> dict[int, Any]:
-        """Answer every row's call (row index -> call) at once."""
+        """Answer every row's call (row index -> call) at once: each kind's calls together
+        (:meth:`answer_drafts`, :meth:`answer_forwards`, :meth:`answer_completes`), the kinds
+        in :attr:`answer_order`."""
+        groups = {kind: {r: c for r, c in calls.items() if isinstance(c, kind)} for kind in self.answer_order}
+        if sum(len(group) for group in groups.values()) != len(calls):
+            raise TypeError(f"the {self.engine_title} engine answers Draft, Forward and Complete calls only")
+        answer: dict[type, Callable[[Any], dict[int, Any]]] = {
+            Draft: self.answer_drafts,
+            Forward: self.answer_forwards,
+            Complete: self.answer_completes,
+        }
+        results: dict[int, Any] = {}
+        for kind, group in groups.items():
+            if group:
+                results.update(answer[kind](group))
+        return results
+
+    @abstractmethod
+    def answer_drafts(self, calls: dict[int, Draft]) -> dict[int, Drafted]:
+        """The rows' :class:`Draft` calls."""
+
+    @abstractmethod
+    def answer_forwards(self, calls: dict[int, Forward]) -> dict[int, list[Any]]:
+        """The rows' :class:`Forward` calls: each row's answered positions, in order."""
+
+    @abstractmethod
+    def answer_completes(self, calls: dict[int, Complete]) -> dict[int, list[Any]]:
+        """The rows' :class:`Complete` calls: each row's full rows (or wider heads), in order."""
 
 
 class MemberEngine(ABC):
@@ -279,13 +318,15 @@ class MemberEngine(ABC):
     @abstractmethod
     def score_tokens(
         self,
-        pairs: Sequence[tuple[list[int], list[int]]],
+        pairs: ScorePairs,
         batch_size: int | str,
         max_batch_size: int,
-        progress: Callable[[int], Any] | None = None,
-    ) -> list[tuple[list[float], list[bool]]]:
+        progress: Progress | None = None,
+    ) -> list[TokenScores]:
         """Per-token log-probs of each continuation given its context and whether each token is
-        the argmax, windowed as lm-eval's backend for this engine windows them."""
+        the argmax, windowed as lm-eval's backend for this engine windows them. An engine's
+        scoring module writes it as a function of the engine and these same parameters (the
+        engine's method hands them over as they came)."""
 
     @property
     @abstractmethod

@@ -71,7 +71,7 @@ def _per_task(config: str, values: tuple[float, float, float]) -> dict[tuple[str
     return {(config, t): v for t, v in zip(PAPER_TASKS, values, strict=True)}
 
 
-#: The numbers of SAFE_SPEC §10 (the paper's Table 2, greedy, one GPU per model). The spec gives
+#: The numbers of docs/algorithm.md, The paper's numbers (its Table 2, greedy, one GPU per model). The page gives
 #: the best single model (Internlm3) but not Qwen2.5 alone, and no numbers for the second pair:
 #: those cells print no paper number rather than an invented one.
 PAPER_PAIRS: tuple[PaperPair, ...] = (

@@ -3,7 +3,7 @@
 * Every configuration runs through the same public entry point a user would call,
   ``lm_eval.simple_evaluate(model="safe-ensemble", ...)``.
 * One ``simple_evaluate`` per (configuration, task): each call loads fresh members, so the
-  backend's ``safe_stats`` (E/T, acceptance, tokens/s -- SAFE_SPEC §8) in
+  backend's ``safe_stats`` (E/T, acceptance, tokens/s -- docs/algorithm.md, Statistics) in
   ``results["config"]`` belong to exactly that task. Loading is cheap once GGUF weights are
   converted (the backend caches them).
 * Loops are task-major (all configurations on task 1, then task 2, ...), so a partial run

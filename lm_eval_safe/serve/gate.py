@@ -9,16 +9,14 @@ at once), never buffered whole.
 from __future__ import annotations
 
 import hashlib
-import json
 import secrets
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Callable
 
-Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from lm_eval_safe.serve.protocol import APIError
 
 #: routes whose answers are counted under their own name (others: "other", so that probing
 #: random paths cannot grow the metrics without bound)
@@ -27,15 +25,6 @@ COUNTED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/hea
 
 def _digest(value: bytes) -> bytes:
     return hashlib.sha256(value).digest()
-
-
-async def send_error(send: Send, status: int, message: str, kind: str, code: str | None = None) -> None:
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    if status == 401:
-        headers.append((b"www-authenticate", b"Bearer"))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 class Gate:
@@ -63,18 +52,19 @@ class Gate:
         route = path if path in COUNTED_ROUTES else "other"
         if self.on_answer is not None:
             send = self._counting(send, route)
-        headers = dict(scope["headers"])
+        headers = Headers(scope=scope)
         if self.expected is not None and path.startswith("/v1"):
-            given = _digest(headers.get(b"authorization", b""))
+            given = _digest(headers.get("authorization", "").encode("latin-1"))
             if not secrets.compare_digest(given, self.expected):
-                await send_error(
-                    send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                    "authentication_error", "invalid_api_key",
-                )
+                refused = APIError(
+                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                    status=401, kind="authentication_error", code="invalid_api_key",
+                )  # fmt: skip
+                await refused.response({"www-authenticate": "Bearer"})(scope, receive, send)
                 return
-        declared = headers.get(b"content-length")
+        declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body:
-            await send_error(send, 413, self._too_large(), "invalid_request_error", "request_too_large")
+            await self._too_large()(scope, receive, send)
             return
         body, more = b"", True
         while more:  # the body read here, within the limit, then handed on whole
@@ -84,7 +74,7 @@ class Gate:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.max_body:
-                await send_error(send, 413, self._too_large(), "invalid_request_error", "request_too_large")
+                await self._too_large()(scope, receive, send)
                 return
         delivered = False
 
@@ -97,8 +87,11 @@ class Gate:
 
         await self.app(scope, replay, send)
 
-    def _too_large(self) -> str:
-        return f"request body over {self.max_body} bytes: send less (or start the server with a larger --max-request-bytes)"
+    def _too_large(self) -> JSONResponse:
+        return APIError(
+            f"request body over {self.max_body} bytes: send less (or start the server with a larger --max-request-bytes)",
+            status=413, code="request_too_large",
+        ).response()  # fmt: skip
 
     def _counting(self, send: Send, route: str) -> Send:
         on_answer = self.on_answer

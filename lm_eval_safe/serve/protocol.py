@@ -1,4 +1,4 @@
-"""The OpenAI API's request bodies as the server reads them, and its error objects.
+"""The OpenAI API's request bodies as FastAPI parses them, and its error object.
 
 Field names, defaults and meanings are OpenAI's (``/v1/completions``, ``/v1/chat/completions``),
 with vLLM's extension ``top_k``. Fields a client may send that the ensemble cannot honour at the
@@ -9,9 +9,25 @@ vLLM's server does (``user`` among them).
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.responses import JSONResponse
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error object: every error the server answers (the gate's included) has it."""
+
+    error: ErrorInfo
 
 
 class APIError(Exception):
@@ -34,20 +50,36 @@ class APIError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        info = ErrorInfo(message=self.message, type=self.kind, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
-def validation_error(exc: ValidationError) -> APIError:
-    """pydantic's first complaint as one line naming the field (``messages.0.content``)."""
-    first = exc.errors()[0]
-    param = ".".join(str(part) for part in first["loc"] if not _union_tag(part)) or None
+def not_json(exc: ValueError) -> APIError:
+    return APIError(f"the request body is not valid JSON: {exc}", param=None)
+
+
+def request_error(errors: Sequence[Any], body: Any, raw: bytes) -> APIError:
+    """FastAPI's first complaint about a request body (``RequestValidationError.errors()``) as
+    one line naming the field (``messages.0.content``). ``body``: what FastAPI parsed, or the
+    text it could not; ``raw``: the bytes received (an empty body and ``null`` both reach the
+    model as nothing)."""
+    first = errors[0]
+    loc = list(first["loc"])
+    if loc[:1] == ["body"]:
+        loc = loc[1:]
+    if first["type"] == "json_invalid":  # FastAPI's own JSON parse: the error's text and offset
+        return not_json(json.JSONDecodeError(first["ctx"]["error"], body, loc[0]))
+    if not loc:  # the body as a whole
+        error = (first.get("ctx") or {}).get("error")
+        if first["type"] == "value_error" and isinstance(error, ValueError):
+            return not_json(error)  # sent as another content type, and not JSON
+        if first["type"] == "missing" and not raw.strip():
+            return not_json(json.JSONDecodeError("Expecting value", raw.decode("latin-1"), 0))
+        return APIError("the request body must be a JSON object", param=None)
+    param = ".".join(str(part) for part in loc if not _union_tag(part)) or None
     got = first.get("input")
     shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
     return APIError(f"{param}: {first['msg']} (got {shown[:80]})", param=param)
@@ -70,6 +102,13 @@ class SamplingFields(BaseModel):
     """What both endpoints share: the model, the budget, sampling and stop strings."""
 
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _json_text(cls, data: Any) -> Any:
+        """A body sent as another content type (``curl -d`` sends a form's) reaches the model as
+        bytes: read as JSON, as the server always has."""
+        return json.loads(data) if isinstance(data, (bytes, bytearray)) else data
 
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -190,13 +229,3 @@ class ChatCompletionRequest(SamplingFields):
                 "response_format other than text is not supported by the ensemble; leave it out",
                 param="response_format",
             )
-
-
-def parse(model: type[BaseModel], data: Any) -> Any:
-    """A request body as ``model``, or the 400 naming the first bad field."""
-    if not isinstance(data, dict):
-        raise APIError("the request body must be a JSON object", param=None)
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(exc) from None

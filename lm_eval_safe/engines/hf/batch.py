@@ -1,15 +1,9 @@
-"""Batched forwards for SAFE: one member's KV cache shared by many requests.
-
-SAFE rolls each request back on its own (the drafter after a rejection, a verifier when its
-re-tokenization changes the last tokens), so rows of a batch never have one common length.
-Instead of re-packing the cache on every rollback, a row's rolled-back slots become *holes*:
-every cache slot carries the real position of its token (or -1), and the attention mask is
-built from those positions. Masks, rotary positions and sliding windows therefore see exactly
-the sequence a lone request would see; holes and left padding only cost memory until the next
-compaction.
+"""Batched forwards for SAFE: one member's KV cache shared by many requests, its rows kept as
+:class:`~.cache_rows.CacheRows` (per-row lengths, rollback as holes).
 
 A request's prompt is prefilled alone (batch of one, exactly the forward a lone request runs)
-and spliced into its row, so prompts of different lengths never pad each other.
+and spliced into its row, so prompts of different lengths never pad each other. The other rows'
+calls share one batched forward, masked by their slots' positions.
 """
 
 from __future__ import annotations
@@ -20,102 +14,33 @@ from typing import Any
 
 import torch
 
-from lm_eval_safe.engines.base import Call, Complete, Draft, EngineBatch, Forward, Row
-from lm_eval_safe.engines.hf import drafting, heads, kv_cache, model_calls
-from lm_eval_safe.engines.hf.drafting import DraftStep
+from lm_eval_safe.engines.base import Call, Complete, Draft, Forward, Row
+from lm_eval_safe.engines.hf import heads, kv_cache, model_calls
+from lm_eval_safe.engines.hf.cache_rows import CacheRows
+from lm_eval_safe.engines.hf.drafting import DraftingBatch, DraftStep
 from lm_eval_safe.engines.hf.forward import forward_logits, vocab_logits
 from lm_eval_safe.engines.hf.heads import Want
 from lm_eval_safe.members import Member
 
 logger = logging.getLogger(__name__)
 
-# Slots beyond the longest row that may hold holes before the cache is compacted: compaction
-# copies the whole cache, like one forward's ``torch.cat`` does, so it must be rare.
-_COMPACT_SLACK = 48
 
-# Spare slots a batch's cache is given when it is made (kv_cache.SlotLayer): a generation's
-# forwards then write into them instead of copying the cache on every step.
-_SPARE_SLOTS = 64
+class MemberBatch(CacheRows, DraftingBatch):
+    """One member's rows of a generation batch: its calls answered by the member's forwards."""
 
-
-class MemberBatch(EngineBatch):
-    """One member's KV cache for the rows of a batch, with per-row lengths and rollback.
-
-    ``positions[r, s]`` is the position in row ``r``'s sequence of the token cached in slot
-    ``s``, or -1 for a hole or padding. Row ``r`` holds positions ``0 .. lengths[r] - 1``.
-    """
-
-    def __init__(self, member: Member):
-        self.member = member
-        self.cache: Any = None
-        self.positions = torch.empty((0, 0), dtype=torch.long)
-        self.lengths: list[int] = []
-        self._trimmed = True  # no trailing slot that no row uses (False after a rollback)
-
-    # -- rows ----------------------------------------------------------------------------
-    @property
-    def rows(self) -> int:
-        return len(self.lengths)
-
-    @property
-    def slots(self) -> int:
-        return self.positions.shape[1]
-
-    def add_row(self) -> int:
-        """An empty row at the end of the batch; returns its index."""
-        self.lengths.append(0)
-        pad = torch.full((1, self.slots), -1, dtype=torch.long)
-        self.positions = torch.cat([self.positions, pad]) if self.rows > 1 else pad
-        if self.cache is not None:
-            kv_cache.add_rows(self.cache, 1)
-        return self.rows - 1
-
-    def keep_rows(self, rows: list[int]) -> None:
-        """Drop every row not listed (finished requests); the listed rows keep their order."""
-        if rows == list(range(self.rows)):
-            return
-        self.lengths = [self.lengths[r] for r in rows]
-        index = torch.tensor(rows, dtype=torch.long)
-        self.positions = self.positions[index]
-        if self.cache is not None:
-            if not rows:
-                self.cache = None
-                self.positions = torch.empty((0, 0), dtype=torch.long)
-                return
-            kv_cache.keep_rows(self.cache, rows)
-        self._trim()
-
-    def truncate(self, row: int, length: int) -> None:
-        if length > self.lengths[row]:
-            raise RuntimeError(
-                f"row {row} of {self.member.name} holds {self.lengths[row]} tokens, cannot keep {length}"
-            )
-        if length < self.lengths[row]:
-            self.positions[row][self.positions[row] >= length] = -1
-            self.lengths[row] = length
-            self._trimmed = False
+    answer_order = (Complete, Forward, Draft)
+    engine_title = "transformers"
 
     # -- calls ---------------------------------------------------------------------------
+
     @torch.inference_mode()
     def run(self, calls: dict[int, Call]) -> dict[int, Any]:
-        """Serve the rows' calls: drafts step by step (one batched forward per drafted token,
-        for the rows still drafting), forwards in one batched forward, completions in one
-        copy."""
-        drafts = {r: c for r, c in calls.items() if isinstance(c, Draft)}
-        forwards = {r: c for r, c in calls.items() if isinstance(c, Forward)}
-        completes = {r: c for r, c in calls.items() if isinstance(c, Complete)}
-        if len(drafts) + len(forwards) + len(completes) != len(calls):
-            raise TypeError("the transformers engine answers Draft, Forward and Complete calls only")
-        results: dict[int, Any] = {}
-        if completes:
-            results.update(self._complete(completes))
-        if forwards:
-            results.update(self.answered(forwards))
-        if drafts:
-            results.update(drafting.draft(self, drafts))
-        return results
+        """Serve the rows' calls (completions in one copy, forwards in one batched forward,
+        drafts step by step: one batched forward per drafted token, for the rows still
+        drafting) in the inference mode."""
+        return super().run(calls)
 
-    def _complete(self, calls: dict[int, Complete]) -> dict[int, list[Any]]:
+    def answer_completes(self, calls: dict[int, Complete]) -> dict[int, list[Any]]:
         """Full rows with one copy, and wider heads (``Complete.top``) with one more, per width."""
         results: dict[int, list[Any]] = {}
         for top in sorted({call.top for call in calls.values()}):
@@ -130,7 +55,7 @@ class MemberBatch(EngineBatch):
         return results
 
     # -- forwards ------------------------------------------------------------------------
-    def answered(self, calls: dict[int, Forward]) -> dict[int, list[Any]]:
+    def answer_forwards(self, calls: dict[int, Forward]) -> dict[int, list[Any]]:
         """The rows' forwards (:meth:`forward`), each row's answered positions read back from
         the device in one copy (:func:`~.heads.read_heads`): rows, or a draft step's token id
         when its call reads tokens only."""
@@ -197,52 +122,6 @@ class MemberBatch(EngineBatch):
             store.add(call.ids, cache)
         self._splice(row, cache, len(call.ids))
         return rows
-
-    def _splice(self, row: int, cache: Any, length: int) -> None:
-        """Put a lone sequence's cache into ``row``'s last slots (right-aligned), widening the
-        batch's cache on the left when the sequence is longer than it."""
-        self.lengths[row] = length
-        if self.cache is None:  # the first prompt: every other row holds a copy, as holes
-            self.cache = kv_cache.with_slots(cache, _SPARE_SLOTS, rows=self.rows)
-            self.positions = torch.full((self.rows, length), -1, dtype=torch.long)
-            self.positions[row] = torch.arange(length)
-            return
-        grow = length - self.slots
-        if grow > 0:
-            self.positions = torch.cat(
-                [torch.full((self.rows, grow), -1, dtype=torch.long), self.positions], dim=1
-            )
-            kv_cache.widen_left(self.cache, grow)
-        start = self.slots - length
-        self.positions[row] = -1
-        self.positions[row, start:] = torch.arange(length)
-        kv_cache.write_row(self.cache, row, start, cache)
-
-    def _trim(self) -> None:
-        """Crop trailing slots that no row uses (a lone row's rollback becomes a plain crop)."""
-        if self.cache is None or self.slots == 0:
-            return
-        used = (self.positions >= 0).any(dim=0).nonzero()
-        keep = int(used.max()) + 1 if used.numel() else 0
-        if keep < self.slots:
-            kv_cache.crop(self.cache, keep)
-            self.positions = self.positions[:, :keep]
-        self._trimmed = True
-
-    def _maybe_compact(self) -> None:
-        longest = max(self.lengths, default=0)
-        if self.cache is None or self.slots <= longest + _COMPACT_SLACK:
-            return
-        # each row's live slots, in order, right-aligned to the longest row
-        order = torch.full((self.rows, longest), -1, dtype=torch.long)
-        for row in range(self.rows):
-            live = (self.positions[row] >= 0).nonzero().flatten()
-            if live.numel():
-                order[row, longest - live.numel() :] = live
-        gather = order.clamp_min(0)
-        new_positions = torch.where(order >= 0, self.positions.gather(1, gather), -1)
-        kv_cache.gather_slots(self.cache, gather)
-        self.positions = new_positions
 
     def _forward(self, calls: dict[int, Forward], fed: torch.Tensor | None = None) -> torch.Tensor:
         """One batched forward of the calling rows; the logits at every wanted position, on the

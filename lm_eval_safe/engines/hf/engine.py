@@ -70,7 +70,7 @@ class HFEngine(MemberEngine):
     ) -> list[tuple[list[float], list[bool]]]:
         from lm_eval_safe.engines.hf.scoring import score_tokens
 
-        return score_tokens(self.member, pairs, batch_size, max_batch_size, progress)
+        return score_tokens(self, pairs, batch_size, max_batch_size, progress)
 
     @property
     def rolling_window(self) -> int:

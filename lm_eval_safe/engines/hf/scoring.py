@@ -1,5 +1,5 @@
 """One member's token scores of given continuations on the transformers engine, as lm-eval's
-HFLM computes them (SAFE_SPEC §9 combines the members' scores: :mod:`lm_eval_safe.loglikelihood`).
+HFLM computes them (docs/algorithm.md, Scoring, combines the members' scores: :mod:`lm_eval_safe.loglikelihood`).
 
 Speed: each member scores all requests in batches of *contexts*. A context shared by several
 choices (multiple-choice tasks) goes through the model once; its KV cache is then copied to one
@@ -12,12 +12,12 @@ vocab] tensor of log-probs.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from lm_eval_safe.engines.base import MemberEngine, Progress, ScorePairs, TokenScores
 from lm_eval_safe.engines.hf import kv_cache, model_calls
 from lm_eval_safe.engines.hf.forward import vocab_logits
 from lm_eval_safe.engines.scoring import check_pair
@@ -45,7 +45,7 @@ class _Group:
         return len(self.ctx) + max(len(cont) for _, cont in self.items) - 1
 
 
-def _group_pairs(member: Member, pairs: Sequence[tuple[list[int], list[int]]]) -> list[_Group]:
+def _group_pairs(member: Member, pairs: ScorePairs) -> list[_Group]:
     """Window each pair as HFLM does (left-truncate context+continuation to max_length + 1) and
     group pairs whose windowed contexts are identical, so each context runs once."""
     limit = member.max_length
@@ -160,7 +160,7 @@ def _contexts_forward(
 
 @torch.inference_mode()
 def _score_batch(
-    member: Member, batch: list[_Group], out: list[tuple[list[float], list[bool]] | None]
+    member: Member, batch: list[_Group], out: list[TokenScores | None]
 ) -> None:
     """Two forward calls per batch: the contexts (left-padded, logits at the last position only),
     then every choice's tokens after its context's cached keys/values."""
@@ -219,19 +219,21 @@ def _score_batch(
 
 
 def score_tokens(
-    member: Member,
-    pairs: Sequence[tuple[list[int], list[int]]],
-    batch_size: int | str = 1,
-    max_batch_size: int = 64,
-    progress: Callable[[int], Any] | None = None,
-) -> list[tuple[list[float], list[bool]]]:
-    """Per-token log-probs and argmax flags of each continuation given its context, as lm-eval's
-    HFLM computes them (same windowing), with each distinct context run once per member.
+    engine: MemberEngine,
+    pairs: ScorePairs,
+    batch_size: int | str,
+    max_batch_size: int,
+    progress: Progress | None = None,
+) -> list[TokenScores]:
+    """:meth:`~lm_eval_safe.engines.base.MemberEngine.score_tokens` on the transformers engine:
+    as lm-eval's HFLM computes them (same windowing), with each distinct context run once per
+    member.
 
     Raises :class:`ScoringError` (naming the pair) for an empty continuation or one longer than
     the member's window, before anything runs."""
+    member = engine.member
     groups = _group_pairs(member, pairs)
-    out: list[tuple[list[float], list[bool]] | None] = [None] * len(pairs)
+    out: list[TokenScores | None] = [None] * len(pairs)
     for batch in _batches(groups, batch_size, max_batch_size, member.engine.prefix_store is not None):
         _score_batch(member, batch, out)
         if progress is not None:

@@ -25,8 +25,8 @@ import logging
 import os
 import platform
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,6 @@ from lm_eval_safe.disk_cache import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
-MODES = ("auto", "on", "off")
 MAX_ROWS = 8
 # ``auto`` takes the matrix-matrix form only where it is clearly faster, both relatively and in
 # absolute terms: timing noise on small shapes must not flip a model's numerics from run to run.
@@ -105,7 +104,9 @@ def machine_key() -> str:
 
 
 class SmallRowLinears:
-    """The small-row forms of one member's linear layers, resolved per thread count."""
+    """The small-row forms of one member's linear layers, resolved per thread count. ``mode``
+    is the ``fast_small_linear`` option's value, checked where the option is parsed (its one
+    list of modes)."""
 
     def __init__(self, model: Any, mode: str, cache_dir: Path | None, name: str = "member"):
         self.mode = mode
@@ -192,12 +193,3 @@ def _write_json(path: Path, data: Any) -> None:
     except OSError as exc:
         logger.warning("could not cache small-row timings in %s: %s", path, exc)
 
-
-@contextmanager
-def small_row_linears(members: Iterable[Any]) -> Iterator[None]:
-    """Every member's small-row forms active for the forwards run inside this block."""
-    with ExitStack() as stack:
-        for member in members:
-            if member.small_rows is not None:
-                stack.enter_context(member.small_rows.active())
-        yield

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from lm_eval_safe.engines.base import (
-    Call,
     Complete,
     Draft,
     Drafted,
@@ -35,6 +34,8 @@ from lm_eval_safe.members import Member
 
 
 class VLLMBatch(EngineBatch):
+    engine_title = "vLLM"
+
     def __init__(self, engine: Any):
         self.engine = engine
         self.rows: list[list[int]] = []
@@ -59,21 +60,8 @@ class VLLMBatch(EngineBatch):
         self.rows[row] = sequence
         return sequence
 
-    def run(self, calls: dict[int, Call]) -> dict[int, Any]:
-        drafts = {r: c for r, c in calls.items() if isinstance(c, Draft)}
-        forwards = {r: c for r, c in calls.items() if isinstance(c, Forward)}
-        completes = {r: c for r, c in calls.items() if isinstance(c, Complete)}
-        results: dict[int, Any] = {}
-        if drafts:
-            results.update(self._draft(drafts))
-        if forwards:
-            results.update(self._score(forwards))
-        if completes:
-            results.update(self._complete(completes))
-        return results
-
     # -- drafts ----------------------------------------------------------------------------
-    def _draft(self, calls: dict[int, Draft]) -> dict[int, Drafted]:
+    def answer_drafts(self, calls: dict[int, Draft]) -> dict[int, Drafted]:
         """Every row's window: ``max_tokens=n``, ``logprobs=K``, greedy or with the request's
         temperature/top-k/top-p and a seed drawn from its own random stream (each window gets a
         fresh seed, never the same one twice). A row with a session (:mod:`.sessions`) sends the
@@ -177,7 +165,7 @@ class VLLMBatch(EngineBatch):
         return [engine.full_row(output.outputs[0].logprobs, 0) for output in outputs]
 
     # -- scores ----------------------------------------------------------------------------
-    def _score(self, calls: dict[int, Forward]) -> dict[int, list[TopLogprobs]]:
+    def answer_forwards(self, calls: dict[int, Forward]) -> dict[int, list[TopLogprobs]]:
         """The rows' wanted positions: inner ones from prompt log-probs, the one after a row's
         last id from the request's single generated position. Rows with sessions send the ids
         they gained; a position a session's chunk did not compute is asked as a row without one
@@ -256,7 +244,7 @@ class VLLMBatch(EngineBatch):
             found[key][p] = self.engine.row_head(full, sequence[p] if p < len(sequence) else -1, place)
 
     # -- full distributions ----------------------------------------------------------------
-    def _complete(self, calls: dict[int, Complete]) -> dict[int, list[Any]]:
+    def answer_completes(self, calls: dict[int, Complete]) -> dict[int, list[Any]]:
         places: list[tuple[list[int], int]] = []
         where: list[tuple[int, int]] = []
         for row, call in calls.items():

@@ -155,7 +155,7 @@ class VLLMEngine(MemberEngine):
     ) -> list[tuple[list[float], list[bool]]]:
         from lm_eval_safe.engines.vllm.scoring import score_tokens
 
-        return score_tokens(self, pairs, batch_size, progress)
+        return score_tokens(self, pairs, batch_size, max_batch_size, progress)
 
     @property
     def rolling_window(self) -> int:

@@ -11,9 +11,9 @@ the continuation are submitted again without reading the cache.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import Any
 
+from lm_eval_safe.engines.base import MemberEngine, Progress, ScorePairs, TokenScores
 from lm_eval_safe.engines.scoring import check_pair
 
 #: Requests per ``generate`` call when ``batch_size`` is ``auto``: bounds the Python objects of
@@ -22,11 +22,15 @@ AUTO_REQUESTS = 256
 
 
 def score_tokens(
-    engine: Any,
-    pairs: Sequence[tuple[list[int], list[int]]],
+    engine: MemberEngine,
+    pairs: ScorePairs,
     batch_size: int | str,
-    progress: Callable[[int], Any] | None = None,
-) -> list[tuple[list[float], list[bool]]]:
+    max_batch_size: int,
+    progress: Progress | None = None,
+) -> list[TokenScores]:
+    """:meth:`~lm_eval_safe.engines.base.MemberEngine.score_tokens` on vLLM (the module
+    docstring); ``batch_size`` requests per ``generate`` call, vLLM batching within it (its
+    scheduler, not ``max_batch_size``, bounds a batch)."""
     limit = engine.sequence_limit
     windows: list[tuple[list[int], int]] = []
     for index, (ctx, cont) in enumerate(pairs):
@@ -35,7 +39,7 @@ def score_tokens(
         windows.append((whole, len(whole) - len(cont)))
     order = sorted(range(len(pairs)), key=lambda i: windows[i][0])
     step = AUTO_REQUESTS if batch_size == "auto" else max(1, int(batch_size))
-    out: list[tuple[list[float], list[bool]] | None] = [None] * len(pairs)
+    out: list[TokenScores | None] = [None] * len(pairs)
     for start in range(0, len(order), step):
         chunk = order[start : start + step]
         _score_chunk(engine, [windows[i] for i in chunk], chunk, out)
@@ -49,7 +53,7 @@ def _score_chunk(
     engine: Any,
     windows: list[tuple[list[int], int]],
     indices: list[int],
-    out: list[tuple[list[float], list[bool]] | None],
+    out: list[TokenScores | None],
 ) -> None:
     todo = list(zip(indices, windows, strict=True))
     for attempt in range(2):

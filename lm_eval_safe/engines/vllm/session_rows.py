@@ -16,6 +16,7 @@ from typing import Any
 
 from lm_eval_safe.engines.base import TopLogprobs
 from lm_eval_safe.engines.vllm.sessions import ChunkResult, EngineSessions, Session
+from lm_eval_safe.engines.vllm.vllm_internals import kept_generated
 
 #: (sequence the window was drafted after, drafted ids, each drafted id's (ids, log-probs) row)
 Window = tuple[list[int], list[int], list[tuple[list[int], list[float]]]]
@@ -63,7 +64,7 @@ class SessionRows:
             for row, (session, start) in chunks.items():
                 sequence = requests[row][0]
                 result = self._count(session, start, results)
-                session.valid = len(sequence) + max(len(result.tokens) - 1, 0)
+                session.valid = len(sequence) + kept_generated(len(result.tokens))
                 windows[row] = (sequence, result.tokens, result.rows)
         return windows
 
@@ -93,17 +94,16 @@ class SessionRows:
                 sequence, _, positions = requests[row]
                 result = self._count(session, start, results)
                 first = result.cached if start is None else start
-                session.valid = len(sequence)
+                session.valid = len(sequence) + kept_generated(len(result.tokens))
                 heads: dict[int, TopLogprobs | None] = {}
-                table = result.prompt_logprobs
                 for p in positions:
                     if p == len(sequence):
                         heads[p] = engine.position_head(*result.rows[0], (sequence, p))
                     elif p - 1 >= first:
+                        assert result.prompt_logprobs is not None
+                        ids, logprobs = result.prompt_logprobs
                         heads[p] = engine.position_head(
-                            table.logprob_token_ids[p - 1].tolist(),
-                            table.logprobs[p - 1].tolist(),
-                            (sequence, p),
+                            ids[p - 1].tolist(), logprobs[p - 1].tolist(), (sequence, p)
                         )
                 found[row] = heads
         return found
