@@ -19,6 +19,7 @@ set -u -o pipefail
 usage() {
     echo "usage: check_gpu.sh [--dry-run|--quick] [--only PART,...] [--limit PART=SECONDS]..." \
         "[--tokenizers DIR] [--data-dir DIR] [--prompts N] [--max-new-tokens N]" \
+        "[--dtypes float32,bfloat16] [--perturbation X]" \
         "(parts: parity theorem1 speed lm_eval)"
 }
 die() { echo "check_gpu.sh: $*" >&2; exit 2; }
@@ -39,7 +40,7 @@ while (($#)); do
             [[ ${2:-} =~ ^([a-z_0-9]+)=([0-9]+)$ ]] || die "--limit takes PART=SECONDS, got '${2:-}'"
             [[ " $parts_all " == *" ${BASH_REMATCH[1]} "* ]] || die "unknown part '${BASH_REMATCH[1]}'"
             limit[${BASH_REMATCH[1]}]=${BASH_REMATCH[2]}; shift ;;
-        --tokenizers|--data-dir|--prompts|--max-new-tokens)
+        --tokenizers|--data-dir|--prompts|--max-new-tokens|--dtypes|--perturbation)
             [[ $# -ge 2 ]] || die "$1 needs a value"; extra+=("$1" "$2"); shift ;;
         -h|--help) usage; exit 0 ;;
         *) usage >&2; die "unknown argument '$1'" ;;
@@ -84,7 +85,9 @@ for part in "${parts[@]}"; do
         --timeout "$((limit[$part] - 15))" "${extra[@]}"
     echo "$? $((SECONDS - start))" >"$work/$part.status"
 done
-if commit=$(git rev-parse HEAD 2>/dev/null); then
+if [[ -n ${CHECK_GPU_COMMIT:-} ]]; then
+    commit=$CHECK_GPU_COMMIT  # a copy whose .git is not the code's: the caller knows better
+elif commit=$(git rev-parse HEAD 2>/dev/null); then
     git diff --quiet HEAD 2>/dev/null || commit="$commit (with uncommitted changes)"
 else
     commit=unknown  # a copy of the working tree without .git
