@@ -56,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: 32 on a GPU, 8 dry")
     p.add_argument("--perturbation", type=float, default=0.05, help="speed: the twin's output-layer noise / RMS")
     p.add_argument("--dtypes", default="float32,bfloat16", help="parity and theorem1: the dtypes, float32 first if any")
+    p.add_argument("--warm-up", type=float, default=None, help="speed: seconds of generate first (default: 30 on a GPU, 0 dry)")
     p.add_argument("--timeout", type=float, default=300, help="lm_eval: its command's limit (s)")
     p.add_argument("--parts-dir", type=Path, default=None, help="merge: the parts' JSON files")
     p.add_argument("--source-data", type=Path, default=REPO_ROOT.parent / "shared" / "data", help="prepare: the full data")
@@ -111,7 +112,8 @@ def run_part(args: argparse.Namespace) -> dict[str, Any]:
     if args.part == "theorem1":
         return theorem1(settings)
     if args.part == "speed":
-        return speed(settings, args.perturbation, lambda result: write(args.json_out, result))
+        warm_up = args.warm_up if args.warm_up is not None else (0.0 if args.dry_run else 30.0)
+        return speed(settings, args.perturbation, lambda result: write(args.json_out, result), warm_up)
     with tempfile.TemporaryDirectory(prefix="check_gpu_") as tmp:
         return lm_eval_end_to_end(settings, Path(tmp), args.timeout)
 

@@ -38,6 +38,7 @@ from lm_eval_safe.bench.gpu_members import (
     parameter_count,
     perturbed_copy,
 )
+from lm_eval_safe.bench.timing import sync_device
 from lm_eval_safe.decoding import GenerationJob, SafeDecoder
 from lm_eval_safe.members import Member
 from lm_eval_safe.options import parse_options
@@ -185,7 +186,27 @@ def time_pair(
             on_row()
 
 
-def speed(settings: Settings, perturbation: float, on_update: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+def warm_up(drafter: Member, jobs: list[GenerationJob], seconds: float) -> list[float]:
+    """``generate`` of the drafter over ``jobs`` at batch 1, again and again for ``seconds``;
+    the ms per token of each round. On an H200 the first minute or two of a process ran the same
+    rows two to four times slower than later ones (the drafter's ``generate`` at batch 1: 61 and
+    34 ms per token first, 28 and 14 ms later, in two processes), whatever the pair: rows timed
+    after a warm-up compare with each other, and the rounds logged show the drift."""
+    decoder = SafeDecoder([drafter], 0, parse_options({"members": [drafter.name], "schedule": "drafter"}))
+    rounds: list[float] = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        begin = time.perf_counter()
+        tokens = sum(len(batched_generate(decoder, [job])[0]) for job in jobs)
+        sync_device([drafter])
+        rounds.append(round(1e3 * (time.perf_counter() - begin) / max(1, tokens), 2))
+        logger.info("warm-up round %d: %.2f ms per token", len(rounds), rounds[-1])
+    return rounds
+
+
+def speed(
+    settings: Settings, perturbation: float, on_update: Callable[[dict[str, Any]], None], warm_up_seconds: float = 0.0
+) -> dict[str, Any]:
     """Both pairs in bfloat16 (float32 on a CPU dry run): the 8B drafter with its perturbed
     copy, then with the 1.7B verifier. The same drafter object serves both pairs, so its rows
     in the second pair repeat those of the first on a device that has run for a while."""
@@ -211,6 +232,7 @@ def speed(settings: Settings, perturbation: float, on_update: Callable[[dict[str
             out["cuda_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
         on_update(out)
 
+    out["warm_up_ms_per_token"] = warm_up(drafter, settings.jobs(2, tokens[1]), warm_up_seconds)
     twin = as_member(perturbed_copy(drafter_model, perturbation, 12), tokenizers["a"], "drafter-8b-perturbed", 1)
     time_pair("8b+8b-perturbed", [drafter, twin], settings, tokens, rows, on_row)
     del twin
