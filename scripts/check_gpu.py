@@ -54,7 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-dir", type=Path, default=REPO_ROOT / ".gpu_check" / "data")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: 32 on a GPU, 8 dry")
-    p.add_argument("--perturbation", type=float, default=0.01, help="speed: the twin's noise / RMS")
+    p.add_argument("--perturbation", type=float, default=0.05, help="speed: the twin's output-layer noise / RMS")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="parity and theorem1: the dtypes, float32 first if any")
+    p.add_argument("--warm-up", type=float, default=None, help="speed: seconds of generate first (default: 30 on a GPU, 0 dry)")
     p.add_argument("--timeout", type=float, default=300, help="lm_eval: its command's limit (s)")
     p.add_argument("--parts-dir", type=Path, default=None, help="merge: the parts' JSON files")
     p.add_argument("--source-data", type=Path, default=REPO_ROOT.parent / "shared" / "data", help="prepare: the full data")
@@ -88,6 +90,10 @@ def run_part(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("check_gpu: --quick is a form of --dry-run")
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("check_gpu: no CUDA device here; run with --dry-run on a CPU")
+    names = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if not names or not set(names) <= {"float32", "bfloat16"}:
+        raise SystemExit(f"check_gpu: --dtypes {args.dtypes!r}: float32 and/or bfloat16")
+    dtypes = tuple(getattr(torch, name) for name in names)
     if args.prompts < 8:
         raise SystemExit(f"check_gpu: --prompts {args.prompts}: batch 8 needs at least 8")
     settings = Settings(
@@ -97,7 +103,7 @@ def run_part(args: argparse.Namespace) -> dict[str, Any]:
         data_dir=args.data_dir,
         prompts=args.prompts,
         max_new_tokens=args.max_new_tokens or (8 if args.dry_run else 32),
-        dtypes=(torch.float32,) if args.quick else (torch.float32, torch.bfloat16),
+        dtypes=(torch.float32,) if args.quick else dtypes,
     )
     if args.dry_run:
         torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -106,9 +112,17 @@ def run_part(args: argparse.Namespace) -> dict[str, Any]:
     if args.part == "theorem1":
         return theorem1(settings)
     if args.part == "speed":
-        return speed(settings, args.perturbation)
+        warm_up = args.warm_up if args.warm_up is not None else (0.0 if args.dry_run else 30.0)
+        return speed(settings, args.perturbation, lambda result: write(args.json_out, result), warm_up)
     with tempfile.TemporaryDirectory(prefix="check_gpu_") as tmp:
         return lm_eval_end_to_end(settings, Path(tmp), args.timeout)
+
+
+def write(path: Path, result: dict[str, Any]) -> None:
+    """A part's JSON, replaced whole (a reader never sees half a file)."""
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
+    partial.replace(path)
 
 
 def merge(parts_dir: Path) -> dict[str, Any]:
@@ -173,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if failed else 0
     (args.json_out.parent / "environment.json").write_text(json.dumps(environment()))  # each part: any may run alone
     result = run_part(args)
-    args.json_out.write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
+    write(args.json_out, result)
     logger.info("%s: %s", args.part, "passed" if result.get("passed") else "FAILED")
     return 0
 

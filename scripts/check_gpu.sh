@@ -19,6 +19,7 @@ set -u -o pipefail
 usage() {
     echo "usage: check_gpu.sh [--dry-run|--quick] [--only PART,...] [--limit PART=SECONDS]..." \
         "[--tokenizers DIR] [--data-dir DIR] [--prompts N] [--max-new-tokens N]" \
+        "[--dtypes float32,bfloat16] [--perturbation X] [--warm-up SECONDS]" \
         "(parts: parity theorem1 speed lm_eval)"
 }
 die() { echo "check_gpu.sh: $*" >&2; exit 2; }
@@ -27,7 +28,7 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo" || exit 2
 parts_all="parity theorem1 speed lm_eval"
 only="parity,theorem1,speed,lm_eval"
-declare -A limit=([parity]=75 [theorem1]=90 [speed]=200 [lm_eval]=100)
+declare -A limit=([parity]=75 [theorem1]=90 [speed]=230 [lm_eval]=100)
 extra=()
 dry=0
 while (($#)); do
@@ -39,7 +40,7 @@ while (($#)); do
             [[ ${2:-} =~ ^([a-z_0-9]+)=([0-9]+)$ ]] || die "--limit takes PART=SECONDS, got '${2:-}'"
             [[ " $parts_all " == *" ${BASH_REMATCH[1]} "* ]] || die "unknown part '${BASH_REMATCH[1]}'"
             limit[${BASH_REMATCH[1]}]=${BASH_REMATCH[2]}; shift ;;
-        --tokenizers|--data-dir|--prompts|--max-new-tokens)
+        --tokenizers|--data-dir|--prompts|--max-new-tokens|--dtypes|--perturbation|--warm-up)
             [[ $# -ge 2 ]] || die "$1 needs a value"; extra+=("$1" "$2"); shift ;;
         -h|--help) usage; exit 0 ;;
         *) usage >&2; die "unknown argument '$1'" ;;
@@ -67,7 +68,7 @@ trap 'rm -rf "$work"' EXIT
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-if [[ " ${parts[*]} " == *" lm_eval "* ]] && ! "$PYTHON" -c "import lm_eval" 2>/dev/null; then
+if ! "$PYTHON" -c "import lm_eval" 2>/dev/null; then  # every part: the bench modules import it too
     compgen -G ".whl/*.whl" >/dev/null || die "lm-eval is missing and .whl/ holds no wheels: run scripts/prepare_gpu_check.sh"
     site="$work/site"
     echo "check_gpu.sh: installing $(ls .whl | wc -l) wheels into $site"
@@ -84,7 +85,9 @@ for part in "${parts[@]}"; do
         --timeout "$((limit[$part] - 15))" "${extra[@]}"
     echo "$? $((SECONDS - start))" >"$work/$part.status"
 done
-if commit=$(git rev-parse HEAD 2>/dev/null); then
+if [[ -n ${CHECK_GPU_COMMIT:-} ]]; then
+    commit=$CHECK_GPU_COMMIT  # a copy whose .git is not the code's: the caller knows better
+elif commit=$(git rev-parse HEAD 2>/dev/null); then
     git diff --quiet HEAD 2>/dev/null || commit="$commit (with uncommitted changes)"
 else
     commit=unknown  # a copy of the working tree without .git

@@ -41,7 +41,8 @@ def run_check(*args: str, out: Path | None = None, timeout: int = 900) -> subpro
 
 def test_quick_dry_run_writes_every_part(inputs: tuple[Path, Path], tmp_path: Path) -> None:
     tokenizers, data = inputs
-    proc = run_check("--quick", "--tokenizers", str(tokenizers), "--data-dir", str(data), out=tmp_path)
+    args = ["--tokenizers", str(tokenizers), "--data-dir", str(data), "--warm-up", "1"]
+    proc = run_check("--quick", *args, out=tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:]
     report = json.loads((tmp_path / "check_gpu.json").read_text())
     assert report["dry_run"] is True
@@ -59,6 +60,7 @@ def test_quick_dry_run_writes_every_part(inputs: tuple[Path, Path], tmp_path: Pa
         assert 0 < run["ensemble_ops_safe"] < run["ensemble_ops_aligned"]
         assert run["ensemble_ops_aligned"] - run["ensemble_ops_safe"] == run["consensus_skips_safe"]
 
+    assert report["speed"]["result"]["warm_up_ms_per_token"]  # at least one round
     rows = report["speed"]["result"]["rows"]
     assert len(rows) == 16  # 2 pairs x batch 1 and 8 x 4 methods
     assert {(r["pair"], r["batch"], r["method"]) for r in rows} == {
@@ -84,6 +86,7 @@ def test_quick_dry_run_writes_every_part(inputs: tuple[Path, Path], tmp_path: Pa
         (["--limit", "speed"], "--limit takes PART=SECONDS"),
         (["--limit", "nothing=3"], "unknown part 'nothing'"),
         (["--frobnicate"], "unknown argument '--frobnicate'"),
+        (["--only", ""], "--only names no part"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(args: list[str], message: str, tmp_path: Path) -> None:

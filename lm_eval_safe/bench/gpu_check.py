@@ -137,11 +137,9 @@ def parity(settings: Settings) -> dict[str, Any]:
         decoder = SafeDecoder([member], 0, parse_options({"members": [member.name]}))
         out[str(dtype)[6:]] = result = compare_with_generate(decoder, member, jobs)
         logger.info("parity %s: %s", dtype, {k: v for k, v in result.items() if k != "differences_from_generate"})
-    fp32, bf16 = out["float32"], out.get("bfloat16")
-    out["passed"] = (
-        fp32["equal_to_generate"] == fp32["prompts"]
-        and fp32["batch8_equal_to_batch1"] == fp32["prompts"]
-        and (bf16 is None or bf16["equal_to_generate"] == bf16["prompts"])
+    fp32, bf16 = out.get("float32"), out.get("bfloat16")
+    out["passed"] = (fp32 is None or fp32["equal_to_generate"] == fp32["batch8_equal_to_batch1"] == fp32["prompts"]) and (
+        bf16 is None or bf16["equal_to_generate"] == bf16["prompts"]
     )
     return out
 
@@ -178,10 +176,13 @@ def theorem1(settings: Settings) -> dict[str, Any]:
     """Theorem 1 of the paper: with UniTE's plain average (no sharpening), skipping where the
     members agree never changes the output, so ``schedule=safe`` writes exactly what
     ``schedule=aligned`` (ensembling at every aligned position) writes, with fewer ensemble
-    operations. Float32 and bfloat16 (the equality is exact in either: both schedules run the
-    same forwards as long as their texts agree), batch 1 and 8."""
+    operations. Asserted in float32, batch 1 and 8; bfloat16 measured: the two schedules
+    skip different positions, so their drafts, rollbacks and verifier windows (the shapes of
+    their forwards) differ, and bfloat16's rounding then differs too (on an H200 two or three of
+    eight random-weight texts parted at a near-tie; float32 kept all eight equal)."""
     out: dict[str, Any] = {}
-    jobs = settings.jobs(max_new_tokens=2 * settings.max_new_tokens)
+    # twice the tokens in a dry run: its tiny members need them to meet consensus at all
+    jobs = settings.jobs(max_new_tokens=settings.max_new_tokens * (2 if settings.scale == "dry" else 1))
     passed = True
     for dtype in settings.dtypes:
         members, info = theorem1_members(settings, dtype)
@@ -208,10 +209,11 @@ def theorem1(settings: Settings) -> dict[str, Any]:
                 "ensemble_rate_percent_aligned": round(aligned.ensemble_rate, 2),
             }
             logger.info("theorem1 %s batch %d: %s", dtype, batch, runs[f"batch{batch}"])
-            passed &= equal == len(jobs) and 0 < safe.ensemble_ops < aligned.ensemble_ops
+            if dtype == torch.float32:
+                passed &= equal == len(jobs) and 0 < safe.ensemble_ops < aligned.ensemble_ops
         out[str(dtype)[6:]] = runs
         del members
-    out["passed"] = passed
+    out["passed"] = passed and "float32" in out
     return out
 
 

@@ -9,10 +9,11 @@ two members of one family that agree at most positions (the case SAFE's skips ar
 Each row is timed with :class:`~lm_eval_safe.bench.clocks.ForwardClock`, the clock of
 ``scripts/bench_host.py`` (CUDA events on the members' stream): wall time, the device time
 inside the members' forwards, and from them the host milliseconds per token (the device's time
-outside the forwards) and the GPU busy share (forward time over wall time; with ``overlap=on``
-a verifier thread's forwards may interleave with the drafter's on one stream, so the share
-counts some time twice and reads high, the host time low), and beside them the driver's own
-utilisation (NVML), which counts no time twice. Every method runs once untimed at its batch size first
+outside the forwards) and the forward-time share (forward time over wall time; with
+``overlap=on`` a verifier thread's forwards may interleave with the drafter's on one stream, so
+the share counts some time twice and reads high, the host time low). An interval of a forward
+counts the device waiting for the host's launches inside it too, so the GPU's busy share is the
+driver's own utilisation (NVML), which counts only time a kernel ran. Every method runs once untimed at its batch size first
 (kernels, cuBLAS plans, the union vocabulary); EOS is masked so every row generates its budget.
 """
 
@@ -37,6 +38,7 @@ from lm_eval_safe.bench.gpu_members import (
     parameter_count,
     perturbed_copy,
 )
+from lm_eval_safe.bench.timing import sync_device
 from lm_eval_safe.decoding import GenerationJob, SafeDecoder
 from lm_eval_safe.members import Member
 from lm_eval_safe.options import parse_options
@@ -161,15 +163,17 @@ def run_method(method: str, members: list[Member], jobs: list[GenerationJob], ba
         "wall_s": round(wall, 3),
         "ms_per_token": round(1e3 * wall / max(1, tokens), 3),
         "host_ms_per_token": round(1e3 * (wall - forwards) / max(1, tokens), 3),
-        "gpu_busy_share": round(forwards / wall, 3) if wall else None,
+        "forward_time_share": round(forwards / wall, 3) if wall else None,
         "gpu_util_percent_nvml": utilisation,
     }
 
 
-def time_pair(label: str, members: list[Member], settings: Settings, tokens: dict[int, int]) -> list[dict[str, Any]]:
-    """Every method at batch 1 (two prompts) and batch 8 (eight), each row's time per token
-    also as a ratio to ``generate``'s."""
-    rows = []
+def time_pair(
+    label: str, members: list[Member], settings: Settings, tokens: dict[int, int], rows: list[dict[str, Any]], on_row: Callable[[], None]
+) -> None:
+    """Every method at batch 1 (two prompts) and batch 8 (eight) into ``rows``, each row's time
+    per token also as a ratio to ``generate``'s; ``on_row`` after each (the part's JSON is
+    rewritten, so a run stopped at its time limit keeps the rows it has)."""
     for batch, new_tokens in tokens.items():
         jobs = settings.jobs(2 if batch == 1 else 8, new_tokens)
         reference = None
@@ -179,36 +183,63 @@ def time_pair(label: str, members: list[Member], settings: Settings, tokens: dic
             row["over_generate"] = round(row["ms_per_token"] / reference, 3)
             logger.info("speed %s", row)
             rows.append(row)
-    return rows
+            on_row()
 
 
-def speed(settings: Settings, perturbation: float = 0.01) -> dict[str, Any]:
-    """Both pairs in bfloat16 (float32 on a CPU dry run): the 8B drafter with the 1.7B verifier,
-    then with its own perturbed copy."""
+def warm_up(drafter: Member, jobs: list[GenerationJob], seconds: float) -> list[float]:
+    """``generate`` of the drafter over ``jobs`` at batch 1, again and again for ``seconds``;
+    the ms per token of each round. On an H200 the first minute or two of a process ran the same
+    rows two to four times slower than later ones (the drafter's ``generate`` at batch 1: 61 and
+    34 ms per token first, 28 and 14 ms later, in two processes), whatever the pair: rows timed
+    after a warm-up compare with each other, and the rounds logged show the drift."""
+    decoder = SafeDecoder([drafter], 0, parse_options({"members": [drafter.name], "schedule": "drafter"}))
+    rounds: list[float] = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        begin = time.perf_counter()
+        tokens = sum(len(batched_generate(decoder, [job])[0]) for job in jobs)
+        sync_device([drafter])
+        rounds.append(round(1e3 * (time.perf_counter() - begin) / max(1, tokens), 2))
+        logger.info("warm-up round %d: %.2f ms per token", len(rounds), rounds[-1])
+    return rounds
+
+
+def speed(
+    settings: Settings, perturbation: float, on_update: Callable[[dict[str, Any]], None], warm_up_seconds: float = 0.0
+) -> dict[str, Any]:
+    """Both pairs in bfloat16 (float32 on a CPU dry run): the 8B drafter with its perturbed
+    copy, then with the 1.7B verifier. The same drafter object serves both pairs, so its rows
+    in the second pair repeat those of the first on a device that has run for a while."""
     dtype = torch.bfloat16 if settings.device.startswith("cuda") else torch.float32
     tokenizers = load_tokenizers(settings.tokenizers)
     scale = settings.scale
     tokens = {1: settings.max_new_tokens * 2, 8: settings.max_new_tokens}
     drafter_model = build_model(tokenizers["a"], SHAPES["speed_drafter"][scale], 10, settings.device, dtype)
     drafter = as_member(drafter_model, tokenizers["a"], "drafter-8b", 0)
-    verifier_model = build_model(tokenizers["b"], SHAPES["speed_verifier"][scale], 11, settings.device, dtype)
-    verifier = as_member(verifier_model, tokenizers["b"], "verifier-1.7b", 1)
-    mask_eos([drafter, verifier])
+    mask_eos([drafter])
+    rows: list[dict[str, Any]] = []
     out: dict[str, Any] = {
         "dtype": str(dtype)[6:],
         "drafter_parameters": parameter_count(drafter_model),
-        "verifier_parameters": parameter_count(verifier_model),
         "perturbation": perturbation,
         "new_tokens": tokens,
+        "rows": rows,
+        "passed": False,
     }
-    rows = time_pair("8b+1.7b", [drafter, verifier], settings, tokens)
-    del verifier, verifier_model
-    copy_model = perturbed_copy(drafter_model, perturbation, 12)
-    twin = as_member(copy_model, tokenizers["a"], "drafter-8b-perturbed", 1)
-    mask_eos([twin])
-    rows += time_pair("8b+8b-perturbed", [drafter, twin], settings, tokens)
-    out["rows"] = rows
-    if settings.device.startswith("cuda"):
-        out["cuda_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+
+    def on_row() -> None:
+        if settings.device.startswith("cuda"):
+            out["cuda_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+        on_update(out)
+
+    out["warm_up_ms_per_token"] = warm_up(drafter, settings.jobs(2, tokens[1]), warm_up_seconds)
+    twin = as_member(perturbed_copy(drafter_model, perturbation, 12), tokenizers["a"], "drafter-8b-perturbed", 1)
+    time_pair("8b+8b-perturbed", [drafter, twin], settings, tokens, rows, on_row)
+    del twin
+    verifier_model = build_model(tokenizers["b"], SHAPES["speed_verifier"][scale], 11, settings.device, dtype)
+    out["verifier_parameters"] = parameter_count(verifier_model)
+    verifier = as_member(verifier_model, tokenizers["b"], "verifier-1.7b", 1)
+    mask_eos([verifier])
+    time_pair("8b+1.7b", [drafter, verifier], settings, tokens, rows, on_row)
     out["passed"] = all(row["tokens"] > 0 for row in rows)
     return out
