@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from lm_eval_safe.errors import check_text
 from lm_eval_safe.lm_eval_compat import default_add_special_tokens
 from lm_eval_safe.sources import MemberSource, content_identity
 
@@ -93,8 +94,6 @@ class Member:
             if bos and text.startswith(bos):
                 add_special_tokens = False
         kwargs = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
-        from lm_eval_safe.errors import check_text  # a leaf module, already imported
-
         check_text(text)  # a lone surrogate: one line saying so, not the tokenizer's TypeError
         return list(self.tokenizer.encode(text, **kwargs))
 

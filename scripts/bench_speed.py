@@ -78,6 +78,7 @@ from lm_eval_safe.bench.speed import (  # noqa: E402
 from lm_eval_safe.bench.speed_report import markdown, modelled, ratios, summarise  # noqa: E402
 from lm_eval_safe.decoding import SafeDecoder  # noqa: E402
 from lm_eval_safe.engines import load_member  # noqa: E402
+from lm_eval_safe.engines.hf import FAST_SMALL_LINEAR  # noqa: E402
 from lm_eval_safe.members import Member  # noqa: E402
 from lm_eval_safe.model_args import resolve_drafter_index  # noqa: E402
 
@@ -97,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft-len", type=int, default=5)
     p.add_argument("--shots", type=int, default=0, help="solved problems before each prompt")
     p.add_argument(
-        "--fast-small-linear", default="auto", choices=("auto", "on", "off"), help="model arg of the same name"
+        "--fast-small-linear", default="auto", choices=FAST_SMALL_LINEAR, help="model arg of the same name"
     )
     p.add_argument(
         "--prefix-cache-mb",

@@ -297,7 +297,7 @@ class EngineBatch(ABC):
 class MemberEngine(ABC):
     """One member's compute: generation batches and the scoring of given continuations."""
 
-    #: "hf" or "vllm": what ``engine=`` names
+    #: the registry name of its engine (what ``engine=`` names)
     kind: str
     #: whether rows are full log-softmax tensors (else :class:`TopLogprobs`)
     full_rows: bool

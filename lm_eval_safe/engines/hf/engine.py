@@ -32,7 +32,7 @@ class HFEngine(MemberEngine):
         self.prefix_store = prefix_store  # PrefixStore: prompt prefixes shared across requests
 
     #: Greedy drafts kept on the device for a whole window, read back once at its end
-    #: (``drafting.draft_on_device``): on a GPU a read waits for every queued kernel, so
+    #: (:meth:`~.drafting.DraftingBatch.draft_on_device`): on a GPU a read waits for every queued kernel, so
     #: reading each drafted token would stall the host once a token. On a CPU a read is free,
     #: and reading each token lets a row stop at its EOS without further forwards. None: by the
     #: member's device (tests set True to run the device path on a CPU).
