@@ -157,8 +157,8 @@ def test_host_reads_at_most_one_per_batch_step(tiny_bpe_dir: Path, tiny_sp_dir: 
 
 
 def test_the_counter_sees_reads_of_weights_only(tiny_bpe_dir: Path) -> None:
-    from lm_eval_safe.bench.clocks import ForwardClock
     from lm_eval_safe.bench.host_work import SyncCounter
+    from lm_eval_safe.engines.hf.clocks import ForwardClock
 
     m = load_member(str(tiny_bpe_dir))
     clock = ForwardClock([m])

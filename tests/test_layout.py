@@ -71,13 +71,6 @@ PACKAGE = REPO / "lm_eval_safe"
 ENGINE_FOLDERS = sorted(p.name for p in (PACKAGE / "engines").iterdir() if (p / "__init__.py").is_file())
 #: where a string may equal an engine's name without naming one: lm-eval's own models
 LM_EVAL_MODEL_NAMES = {"lm_eval_safe/leaderboard/runs.py"}
-#: benchmarks of the transformers engine's own internals (its KV-cache moves, heads, one
-#: forward's latency: scripts/bench_host.py, bench_speed.py), which import that engine's modules
-ENGINE_BENCHMARKS = {
-    "lm_eval_safe/bench/clocks.py",
-    "lm_eval_safe/bench/latency_model.py",
-    "lm_eval_safe/bench/gpu_members.py",  # transformers-engine members built in memory
-}
 START_UP_HOOK = {"lm_eval_safe", "lm_eval_safe._autoregister", "lm_eval_safe.model"}
 
 
@@ -156,7 +149,7 @@ def test_engines_are_named_in_their_folders_and_the_registry_alone() -> None:
         for module in _imports(path):
             parts = module.split(".")
             inside = parts[:2] == ["lm_eval_safe", "engines"] and len(parts) > 2 and parts[2] in ENGINE_FOLDERS
-            if inside and _name(path) not in ENGINE_BENCHMARKS:
+            if inside:
                 found.append(f"{_name(path)} imports {module}")
         if _name(path) in LM_EVAL_MODEL_NAMES:
             continue

@@ -10,20 +10,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import torch
+from lm_eval_safe.engines import instruments
 
 
 def mask_eos(members: Iterable[Any]) -> None:
-    """Make no member ever predict EOS: a forward hook on each output layer sets the EOS logits
-    to ``-inf``. Every path that produces logits goes through that layer (a forward pass, the
-    batched decoder's output head, ``transformers.generate``), so all of them see the mask.
-    On a model with final-logit soft-capping (Gemma-2) a masked logit becomes the cap's
-    minimum instead of ``-inf``, which no argmax picks."""
+    """Make no member ever predict EOS, each by its engine's instrument (the transformers
+    engine: a forward hook on the output layer, which every path to the logits goes through,
+    sets the EOS logits to ``-inf``); a member on an engine without instruments is refused."""
     for member in members:
-        eos = torch.tensor(sorted(member.eos_ids), dtype=torch.long)
-        head = member.engine.model.get_output_embeddings()
-
-        def hook(_module: Any, _inputs: Any, logits: torch.Tensor, eos: torch.Tensor = eos) -> Any:
-            return logits.index_fill(-1, eos.to(logits.device), float("-inf"))
-
-        head.register_forward_hook(hook)
+        instruments(member).mask_eos(member)

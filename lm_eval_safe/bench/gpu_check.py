@@ -33,6 +33,7 @@ from lm_eval_safe.bench.gpu_members import (
 from lm_eval_safe.bench.prompts import load_prompts
 from lm_eval_safe.bench.speed import hf_generate
 from lm_eval_safe.decoding import GenerationJob, SafeDecoder
+from lm_eval_safe.engines import instruments
 from lm_eval_safe.members import Member
 from lm_eval_safe.options import parse_options
 from lm_eval_safe.stats import GenerationStats
@@ -76,9 +77,7 @@ def reference_ids(decoder: SafeDecoder, member: Member, job: GenerationJob) -> t
 
 def top2_margin(member: Member, ids: list[int]) -> float:
     """The gap between the two largest logits after ``ids`` (the reference's own forward)."""
-    tokens = torch.tensor([ids], device=member.engine.input_device)
-    with torch.inference_mode():
-        logits = member.engine.model(input_ids=tokens).logits[0, -1].float()
+    logits = instruments(member).prompt_logits(member, ids)[-1]
     top = torch.topk(logits, 2).values
     return float(top[0] - top[1])
 
@@ -165,7 +164,7 @@ def theorem1_members(settings: Settings, dtype: torch.dtype) -> tuple[list[Membe
             favour_ids(member, favoured, bonus)
         mask_eos([member])
         info[member.name] = {
-            "parameters": parameter_count(member.engine.model),
+            "parameters": instruments(member).parameter_count(member),
             "tokenizer": member.tokenizer.name_or_path,
             "bonus": round(bonus, 3),
         }

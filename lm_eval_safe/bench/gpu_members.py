@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
-from lm_eval_safe.members import Member, config_max_length
-from lm_eval_safe.sources import MemberSource
+from lm_eval_safe.engines import engine, instruments
+from lm_eval_safe.engines.registry import DEFAULT_ENGINE
+from lm_eval_safe.members import Member
 
 logger = logging.getLogger("check_gpu")
 
@@ -157,25 +158,10 @@ def perturbed_copy(model: Any, scale: float, seed: int) -> Any:
 
 
 def as_member(model: Any, tokenizer: Any, name: str, index: int = 0) -> Member:
-    """A transformers-engine member over an in-memory model, as ``load_hf_member`` builds one
-    from a folder (the prefix store at its default size; no small-row linears, a CPU-only
-    speed-up that would time itself on the first call)."""
-    from lm_eval_safe.engines.hf.engine import HFEngine
-    from lm_eval_safe.engines.hf.prefix_cache import PrefixStore
-    from lm_eval_safe.engines.hf.small_rows import SmallRowLinears
-
-    device = str(next(model.parameters()).device)
-    return Member(
-        source=MemberSource(spec=name, name=name, kind="folder", location=f"built in memory: {name}"),
-        tokenizer=tokenizer,
-        config=model.config,
-        generation_config=model.generation_config,
-        engine=HFEngine(model, None, SmallRowLinears(model, "off", None, name), PrefixStore(256 * 2**20)),
-        device=device,
-        dtype=model.dtype,
-        max_length=config_max_length(model.config, tokenizer, None),
-        index=index,
-    )
+    """A member over an in-memory transformers model, built by the default engine's instruments
+    (the engine that runs transformers models in this process), as its loader builds one from a
+    folder."""
+    return engine(DEFAULT_ENGINE).instruments().as_member(model, tokenizer, name, index)
 
 
 def word_ids(member: Member, words: list[str]) -> dict[str, int]:
@@ -189,14 +175,7 @@ def favour_ids(member: Member, ids: list[int], bonus: float) -> None:
     """Add ``bonus`` to the logits of ``ids`` in ``member``'s output layer (every path to the
     logits goes through it): members with different tokenizers then often pick the same word
     and sometimes not, so SAFE has consensus positions to skip and others to ensemble."""
-    head = member.engine.model.get_output_embeddings()
-    bias = torch.zeros(head.weight.shape[0], dtype=torch.float32)
-    bias[ids] = bonus
-
-    def hook(_module: Any, _inputs: Any, logits: torch.Tensor) -> torch.Tensor:
-        return logits + bias.to(device=logits.device, dtype=logits.dtype)
-
-    head.register_forward_hook(hook)
+    instruments(member).favour_ids(member, ids, bonus)
 
 
 def logit_bonus(member: Member, ids: list[int], prompt: str, share: float = 0.9) -> float:
@@ -204,9 +183,6 @@ def logit_bonus(member: Member, ids: list[int], prompt: str, share: float = 0.9)
     ``prompt``: that quantile of the gaps between each position's largest logit and its largest
     favoured one. Random members write byte salad that two tokenizers rarely split at the same
     places; text made mostly of whole words gives Theorem 1 aligned positions to decide."""
-    model = member.engine.model
-    tokens = torch.tensor([member.encode(prompt)], device=member.engine.input_device)
-    with torch.inference_mode():
-        logits = model(input_ids=tokens).logits[0].float()
+    logits = instruments(member).prompt_logits(member, member.encode(prompt))
     gaps = logits.max(-1).values - logits[:, ids].max(-1).values
     return float(torch.quantile(gaps, share))

@@ -6,7 +6,7 @@ tokenizer is the paper's setting (random members disagree almost everywhere: the
 ensembling, E/T near its ceiling); the same 8B shape twice, one copy perturbed slightly, is
 two members of one family that agree at most positions (the case SAFE's skips are for).
 
-Each row is timed with :class:`~lm_eval_safe.bench.clocks.ForwardClock`, the clock of
+Each row is timed with the transformers engine's ``ForwardClock`` (its instruments), the clock of
 ``scripts/bench_host.py`` (CUDA events on the members' stream): wall time, the device time
 inside the members' forwards, and from them the host milliseconds per token (the device's time
 outside the forwards) and the forward-time share (forward time over wall time; with
@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from lm_eval_safe.bench.clocks import ForwardClock
 from lm_eval_safe.bench.eos import mask_eos
 from lm_eval_safe.bench.gpu_check import Settings, total_stats
 from lm_eval_safe.bench.gpu_members import (
@@ -40,6 +39,7 @@ from lm_eval_safe.bench.gpu_members import (
 )
 from lm_eval_safe.bench.timing import sync_device
 from lm_eval_safe.decoding import GenerationJob, SafeDecoder
+from lm_eval_safe.engines import instruments
 from lm_eval_safe.members import Member
 from lm_eval_safe.options import parse_options
 
@@ -58,16 +58,8 @@ def batched_generate(decoder: SafeDecoder, jobs: list[GenerationJob]) -> list[li
     """transformers ``generate`` of the drafter over all ``jobs`` at once (left-padded), greedy."""
     drafter = decoder.drafter
     prompts = [decoder.prompt_ids(drafter, job.context, job.max_new_tokens) for job in jobs]
-    width = max(len(p) for p in prompts)
     pad = drafter.tokenizer.pad_token_id
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=drafter.engine.input_device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=ids.device)
-    with torch.inference_mode():
-        out = drafter.engine.model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=jobs[0].max_new_tokens, do_sample=False,
-            temperature=None, top_p=None, top_k=None, pad_token_id=pad,
-        )  # fmt: skip
-    return [row[width:].tolist() for row in out]
+    return instruments(drafter).generate(drafter, prompts, jobs[0].max_new_tokens, pad, own_eos=False)
 
 
 class Utilisation:
@@ -116,10 +108,10 @@ class Utilisation:
 def clocked(members: list[Member], work: Callable[[], Any]) -> tuple[Any, float, float, float | None]:
     """``work()``, its wall seconds, the device seconds inside the members' forwards, and the
     driver's utilisation percent over the run."""
-    clock = ForwardClock(members)
+    clock = instruments(members[0]).ForwardClock(members)
     try:
         clock.watch.settle()
-        with Utilisation(str(members[0].engine.input_device)) as utilisation:
+        with Utilisation(str(clock.watch.device)) as utilisation:
             start = time.perf_counter()
             result = work()
             clock.watch.settle()

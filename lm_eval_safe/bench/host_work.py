@@ -5,8 +5,8 @@ between them does not, so the figure that decides whether a device stays busy is
 minus the time inside the members' forwards*, per generated token. Two instruments measure it
 on any machine:
 
-- :class:`~lm_eval_safe.bench.clocks.ForwardClock`: forward hooks on each transformers member's model, its decoder body
-  and its output layer; the outermost of them is timed, so a forward that runs the body and
+- the forward clock (the member's engine's instrument; transformers: forward hooks on the model, its decoder body
+  and its output layer): the outermost of them is timed, so a forward that runs the body and
   then the head (the batch's path) counts both once, and a whole-model forward counts once.
 - :class:`SyncCounter`: the device-to-host synchronisations the host code asks for. Every
   tensor computed from a member's weights is *on the member's device* (tagged as it flows
@@ -31,8 +31,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from lm_eval_safe.bench.clocks import CACHE_MOVES, HEADS_WORK, ForwardClock, FunctionClock
 from lm_eval_safe.decoding import GenerationJob, SafeDecoder
+from lm_eval_safe.engines import instruments
 from lm_eval_safe.members import Member
 from lm_eval_safe.stats import total
 
@@ -68,7 +68,7 @@ class SyncCounter(TorchFunctionMode):
     call outside the forwards is host work on any machine (views, shapes; positions and masks
     built on the host before they move): counted apart (``host_ops``)."""
 
-    def __init__(self, members: Sequence[Member], clock: ForwardClock):
+    def __init__(self, members: Sequence[Member], clock: Any):
         super().__init__()
         self.clock = clock
         self.host: Counter[str] = Counter()
@@ -77,7 +77,7 @@ class SyncCounter(TorchFunctionMode):
         self.host_ops = 0
         self.names = [m.name for m in members]
         for index, member in enumerate(members):
-            for tensor in (*member.engine.model.parameters(), *member.engine.model.buffers()):
+            for tensor in instruments(member).model_tensors(member):
                 setattr(tensor, _TAG, index)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -253,9 +253,10 @@ def measure(
     work = HostWork(configuration, batch_size)
     for member in members:
         member.engine.forget_prefixes()
-    clock = ForwardClock(members)
-    moves = FunctionClock(CACHE_MOVES, clock.watch.device)
-    cutting = FunctionClock(HEADS_WORK, clock.watch.device)
+    tools = instruments(members[0])
+    clock = tools.ForwardClock(members)
+    moves = tools.FunctionClock(tools.CACHE_MOVES, clock.watch.device)
+    cutting = tools.FunctionClock(tools.HEADS_WORK, clock.watch.device)
     try:
         with _engine_calls(members, work.engine_calls):
             clock.watch.settle()
@@ -295,7 +296,7 @@ def count_reads(work: HostWork, decoder: SafeDecoder, jobs: list[GenerationJob])
     members = [decoder.drafter, *decoder.verifiers]
     for member in members:
         member.engine.forget_prefixes()
-    clock = ForwardClock(members)
+    clock = instruments(members[0]).ForwardClock(members)
     try:
         counter = SyncCounter(members, clock)
         with counter:

@@ -13,17 +13,10 @@ measurement; on a GPU ``bench_speed.py --member-devices cuda:0,cuda:1`` with the
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
-
-from lm_eval_safe.bench.timing import sync_device
-from lm_eval_safe.engines import engines_active
-from lm_eval_safe.engines.hf import kv_cache
-from lm_eval_safe.engines.hf.forward import forward_logprobs
+from lm_eval_safe.engines import instruments
 from lm_eval_safe.latency import CycleForwards, forward_depth
 from lm_eval_safe.members import Member
 
@@ -40,25 +33,11 @@ class ForwardLatency:
         return self.one_row + (rows - 1) * (self.five_rows - self.one_row) / 4
 
 
-@torch.inference_mode()
 def measure_latency(member: Member, prompt_ids: list[int], repeats: int = 7) -> ForwardLatency:
     """Median time of a 1-token and a 5-token forward after ``prompt_ids`` (the cache cropped
-    back after each), all rows through the output layer, as a verifier's window needs."""
-    cache = kv_cache.new_cache()
-    with engines_active([member]):
-        forward_logprobs(member, prompt_ids, cache, 1)
-        base = len(prompt_ids)
-        times: dict[int, list[float]] = {1: [], 5: []}
-        for repeat in range(repeats + 1):
-            for rows in (1, 5):
-                kv_cache.crop(cache, base)
-                sync_device([member])
-                start = time.perf_counter()
-                forward_logprobs(member, prompt_ids[-rows:], cache, list(range(rows)))
-                sync_device([member])
-                if repeat:  # the first round warms up
-                    times[rows].append(time.perf_counter() - start)
-    return ForwardLatency(statistics.median(times[1]), statistics.median(times[5]))
+    back after each), all rows through the output layer, as a verifier's window needs: the
+    member's engine times its own forwards (its instruments)."""
+    return ForwardLatency(*instruments(member).forward_seconds(member, prompt_ids, repeats))
 
 
 def cost_function(latencies: Sequence[ForwardLatency]) -> Callable[[int, int], float]:

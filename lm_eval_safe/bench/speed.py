@@ -14,7 +14,6 @@ import json
 import sys
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from lm_eval_safe.bench.latency_model import ForwardLatency, modelled_seconds
 from lm_eval_safe.bench.memory import max_rss_mib
 from lm_eval_safe.bench.timing import on_cuda, sync_device, timed
 from lm_eval_safe.decoding import GenerationJob, SafeDecoder
-from lm_eval_safe.engines import engines_active
+from lm_eval_safe.engines import engines_active, instruments
 from lm_eval_safe.members import Member
 from lm_eval_safe.options import parse_options
 from lm_eval_safe.stats import BENCH_COUNTS, counts
@@ -93,23 +92,8 @@ def hf_generate(member: Member, prompt_ids: list[int], max_new_tokens: int) -> l
 
     With EOS masked (:func:`lm_eval_safe.bench.eos.mask_eos`) the output layer itself never
     predicts EOS, so ``generate`` runs to ``max_new_tokens`` as every other method does."""
-    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=member.engine.input_device)
-    config = member.engine.model.generation_config
     pad = member.tokenizer.pad_token_id
-    with warnings.catch_warnings(), torch.inference_mode():
-        warnings.simplefilter("ignore")
-        out = member.engine.model.generate(
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            eos_token_id=sorted(member.eos_ids) or config.eos_token_id,
-            pad_token_id=pad if pad is not None else member.eos_id,
-        )
-    return out[0, len(prompt_ids) :].tolist()
+    return instruments(member).generate(member, [prompt_ids], max_new_tokens, pad if pad is not None else member.eos_id)[0]
 
 
 def _run_drafter_alone(

@@ -108,6 +108,15 @@ def load_members(opts: Any, placements: Sequence[Any], rank: int, world_size: in
     return members
 
 
+def instruments(member: Any) -> Any:
+    """The benchmark instruments of ``member``'s engine (:meth:`~.spec.EngineSpec.instruments`);
+    a one-line error where its engine has none, so a benchmark never reaches into a model."""
+    tools = engine(member.engine.kind).instruments()
+    if tools is None:
+        raise RuntimeError(f"{member.name}: the {member.engine.kind} engine has no benchmark instruments")
+    return tools
+
+
 @contextmanager
 def engines_active(members: Iterable[Any]) -> Iterator[None]:
     """Every member's engine settings active for the calls run inside this block (the

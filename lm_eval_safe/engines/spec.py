@@ -110,6 +110,13 @@ class EngineSpec:
         bound of the engine's own)."""
         return None
 
+    def instruments(self) -> Any:
+        """The module of this engine's benchmark instruments (hooks on a member's model: EOS
+        masking, forward clocks, one forward's latency, ``generate``), or None where the
+        engine's models cannot be reached from this process (the benchmarks that need them
+        refuse its members). Imported only when asked for: it may import torch."""
+        return None
+
     def thread_device(self, member: Any) -> Any:
         """The torch device a member's forwards run on when the decoder may run them on a
         thread of their own (``overlap=``), or None where the engine overlaps its own work."""

@@ -9,7 +9,8 @@ decision is the exact one. Modules: :mod:`.engine` (the member's engine), :mod:`
 (model, device, dtype), :mod:`.batch` (one KV cache per member shared by a batch, per-row
 rollback), :mod:`.forward` and :mod:`.kv_cache` (transformers' internals, in one place),
 :mod:`.prefix_cache` (prompt prefixes shared across requests), :mod:`.small_rows` (CPU linears
-over few rows), :mod:`.scoring` (batched continuation scores).
+over few rows), :mod:`.scoring` (batched continuation scores), :mod:`.instruments` and
+:mod:`.clocks` (what the benchmarks hook or time inside a model).
 
 This module is the engine's :class:`~lm_eval_safe.engines.spec.EngineSpec` and stays light:
 torch and transformers are imported when a member loads.
@@ -49,6 +50,11 @@ class TransformersSpec(EngineSpec):
         from lm_eval_safe.engines.hf.batch import auto_generation_rows
 
         return auto_generation_rows(list(members), list(jobs))
+
+    def instruments(self) -> Any:
+        from lm_eval_safe.engines.hf import instruments
+
+        return instruments
 
     def thread_device(self, member: Any) -> Any:
         return member.engine.input_device

@@ -1,4 +1,5 @@
-"""The clocks of the host-work benchmark (:mod:`.host_work`): the members' forwards, and named
+"""The clocks of the host-work benchmark (:mod:`lm_eval_safe.bench.host_work`, reached through
+:mod:`.instruments`): the members' forwards, and named
 functions between them (KV-cache moves, heads), each timed on the host or, on a GPU, with CUDA
 events on the members' stream (an asynchronous call's host time is only its launches)."""
 
