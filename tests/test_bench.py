@@ -123,3 +123,13 @@ def test_bench_speed_script_end_to_end(tiny_bpe_dir: Path, tiny_sp_dir: Path, tm
     latency = report["forward_latency"][Path(tiny_bpe_dir).name]["one_row"]
     for r in drafter_runs:  # the drafter alone: one drafter forward per token, nothing else
         assert r["modelled_seconds"] == pytest.approx(r["extra"]["drafter_forwards"] * latency)
+
+
+def test_a_benchmark_refuses_a_member_whose_engine_has_no_instruments() -> None:
+    """A benchmark reaches a model only through its engine's instruments; an engine whose models
+    it cannot hook (vLLM's run in the engine's own process) is refused in one line."""
+    from types import SimpleNamespace
+
+    member = SimpleNamespace(name="remote", engine=SimpleNamespace(kind="vllm"))
+    with pytest.raises(RuntimeError, match="remote: the vllm engine has no benchmark instruments"):
+        mask_eos([member])
