@@ -1,0 +1,207 @@
+"""The llama.cpp engine against llama.cpp itself (never against this package's own output): the
+real GGUF members' greedy texts equal llama-cpp-python's own greedy generation of the same file,
+their log-likelihoods equal llama.cpp's logits computed directly, rows decoded together equal
+each alone, a rolled-back, prefix-copied or windowed row equals a fresh recompute, and SAFE's
+Theorem 1 holds on this engine.
+
+Needs llama-cpp-python (``bash scripts/setup.sh --llama-cpp``; skipped without it unless
+``LM_EVAL_SAFE_REQUIRE_LLAMA_CPP=1``, where its absence fails) and ../shared's models.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lm_eval_safe.engines.llama_cpp.options import parse_option
+from lm_eval_safe.errors import OptionError
+
+#: Settings of both sides of every comparison (llama.cpp's kernels differ with flash attention
+#: on and off, so each side names it)
+FLASH = "on"
+THREADS = 2
+PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:",
+    "Once upon a time, in a small village by the sea,",
+)
+
+
+def test_options_are_checked() -> None:
+    assert parse_option("flash_attn", "true") == "on"
+    assert parse_option("n_gpu_layers", "-1") == -1
+    assert parse_option("n_ctx", 4096) == 4096
+    for key, value in (("flash_attn", "maybe"), ("n_ctx", "many"), ("n_gpu_layers", -2), ("n_seq_max", 0)):
+        with pytest.raises(OptionError):
+            parse_option(key, value)
+
+
+# -- real members ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama_cpp_installed() -> None:
+    if importlib.util.find_spec("llama_cpp") is None:
+        if os.environ.get("LM_EVAL_SAFE_REQUIRE_LLAMA_CPP", "0") == "1":
+            pytest.fail("LM_EVAL_SAFE_REQUIRE_LLAMA_CPP=1 but llama-cpp-python is not installed")
+        pytest.skip("llama-cpp-python is not installed (bash scripts/setup.sh --llama-cpp)")
+
+
+def _member(alias: str, **settings: Any) -> Any:
+    from lm_eval_safe.engines import load_member
+
+    return load_member(
+        alias, engine="llama_cpp", n_threads=THREADS, n_ctx=4096, flash_attn=FLASH, **settings
+    )
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
+def member(request: pytest.FixtureRequest, llama_cpp_installed: None, models: Path) -> Any:
+    return _member(request.param)
+
+
+def _reference(member: Any, n_ctx: int = 4096) -> Any:
+    """llama-cpp-python's own high-level model of the same file and settings."""
+    from llama_cpp import Llama
+
+    return Llama(
+        model_path=member.source.location,
+        n_ctx=n_ctx,
+        n_threads=THREADS,
+        n_threads_batch=THREADS,
+        flash_attn=FLASH == "on",
+        logits_all=True,
+        verbose=False,
+    )
+
+
+def _ids(member: Any, text: str) -> list[int]:
+    return member.encode(text)
+
+
+def _draft(member: Any, prompts: list[list[int]], n: int, rows: bool = False) -> list[Any]:
+    from lm_eval_safe.engines.base import Draft
+
+    batch = member.engine.new_batch()
+    for _ in prompts:
+        batch.add_row()
+    answers = batch.run({r: Draft(0, 0, ids, n, rows=rows) for r, ids in enumerate(prompts)})
+    batch.close()
+    return [answers[r] for r in range(len(prompts))]
+
+
+@pytest.mark.real
+def test_greedy_equals_llama_cpp_python(member: Any) -> None:
+    """Each prompt alone, 24 tokens: the tokens llama-cpp-python's ``Llama.generate`` picks at
+    temperature 0 on the same GGUF file."""
+    reference = _reference(member)
+    for text in PROMPTS[:3]:
+        ids = _ids(member, text)
+        reference.reset()
+        expected = []
+        for token in reference.generate(ids, temp=0.0, top_k=1, reset=True):
+            expected.append(int(token))
+            if len(expected) == 24:
+                break
+        (drafted,) = _draft(member, [ids], 24)
+        assert drafted.tokens == expected, text
+
+
+@pytest.mark.real
+def test_loglikelihoods_equal_llama_cpp_logits(member: Any) -> None:
+    """``score_tokens`` of context/continuation pairs (shared contexts included) within 1e-4 of
+    the log-softmax of llama.cpp's own logits of the whole sequence, and the same argmax flags."""
+    import torch
+
+    reference = _reference(member)
+    contexts = [_ids(member, PROMPTS[0]), _ids(member, PROMPTS[2])]
+    conts = [_ids(member, " Paris, of course.")[1:] or [42], [13, 14, 15, 16], [7]]
+    pairs = [(ctx, cont) for ctx in contexts for cont in conts]
+    scored = member.engine.score_tokens(pairs, "auto", 64)
+    vocab = len(member.tokenizer)
+    for (ctx, cont), (logprobs, greedy) in zip(pairs, scored, strict=True):
+        reference.reset()
+        reference.eval(ctx + cont[:-1])
+        logits = torch.tensor(reference.scores[: len(ctx) + len(cont) - 1], dtype=torch.float32)
+        rows = torch.log_softmax(logits[len(ctx) - 1 :, :vocab], dim=-1)
+        want = rows[torch.arange(len(cont)), torch.tensor(cont)]
+        assert torch.allclose(torch.tensor(logprobs), want, atol=1e-4), (logprobs, want)
+        assert greedy == (rows.argmax(-1) == torch.tensor(cont)).tolist()
+
+
+@pytest.mark.real
+def test_rows_together_equal_each_alone(member: Any) -> None:
+    """Four prompts drafted as rows of one batch: each gets the tokens and distributions it gets
+    alone (where the load-time check keeps a model's rows apart, through that path)."""
+    import torch
+
+    prompts = [_ids(member, text) for text in PROMPTS]
+    together = _draft(member, prompts, 16, rows=True)
+    for ids, got in zip(prompts, together, strict=True):
+        member.engine.forget_prefixes()
+        (alone,) = _draft(member, [ids], 16, rows=True)
+        assert got.tokens == alone.tokens
+        for a, b in zip(got.rows, alone.rows, strict=True):
+            assert torch.allclose(a, b, atol=1e-4)
+
+
+@pytest.mark.real
+def test_rollback_prefix_copy_and_windows_equal_a_fresh_recompute(member: Any) -> None:
+    """A row rolled back after a draft, a row whose prompt prefix is copied from another
+    sequence, and a verifier window read at a few positions: the distributions llama.cpp
+    computes for the whole sequence at once."""
+    import torch
+
+    from lm_eval_safe.engines.base import Draft, Forward
+
+    reference = _reference(member)
+    vocab = len(member.tokenizer)
+
+    def fresh(sequence: list[int], positions: list[int]) -> torch.Tensor:
+        reference.reset()
+        reference.eval(sequence)
+        logits = torch.tensor(reference.scores[: len(sequence)], dtype=torch.float32)
+        return torch.log_softmax(logits[positions, :vocab], dim=-1)
+
+    prompt = _ids(member, PROMPTS[3])
+    batch = member.engine.new_batch()
+    batch.add_row()
+    (drafted,) = batch.run({0: Draft(0, 0, prompt, 6, rows=False)}).values()
+    # reject the last 4 drafted tokens and verify other ones in a window of 3 read positions
+    keep = len(prompt) + 2
+    other = _ids(member, " and the")[-3:]
+    rows = batch.run({0: Forward(0, keep, other, [0, 1, 2])})[0]
+    sequence = prompt + drafted.tokens[:2] + other
+    want = fresh(sequence, [keep, keep + 1, keep + 2])
+    assert torch.allclose(torch.stack(rows), want, atol=1e-4)
+    # a second row with the same prompt: its prefix is copied from the first row's sequence
+    second = batch.add_row()
+    saved = member.engine.slots.reused
+    rows = batch.run({second: Forward(0, 0, prompt + other, [len(prompt) - 1, len(prompt) + 2])})[second]
+    assert member.engine.slots.reused - saved >= len(prompt) - 1
+    want = fresh(prompt + other, [len(prompt) - 1, len(prompt) + 2])
+    assert torch.allclose(torch.stack(rows), want, atol=1e-4)
+    batch.close()
+
+
+@pytest.mark.real
+def test_theorem_1_on_llama_cpp(llama_cpp_installed: None, models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SAFE with the plain average (unite, no sharpening) equals ensembling at every aligned
+    position, on the default members on llama.cpp."""
+    from helpers import gen_request
+
+    import lm_eval_safe.model as model_module
+    from lm_eval_safe.model import SafeEnsembleLM
+
+    loaded = [_member("smollm2-135m"), _member("gemma3-270m", index=1)]
+    monkeypatch.setattr(model_module, "load_members", lambda *args, **kwargs: loaded)
+    opts = {"aggregator": "unite", "sharpen": "none", "batch_size": 2}
+    members = "smollm2-135m,gemma3-270m"
+    safe = SafeEnsembleLM(members=members, schedule="safe", **opts)
+    aligned = SafeEnsembleLM(members=members, schedule="aligned", **opts)
+    requests = [gen_request(p, until=[], max_gen_toks=24) for p in PROMPTS]
+    assert safe.generate_until(requests, disable_tqdm=True) == aligned.generate_until(requests, disable_tqdm=True)
+    assert aligned.run_stats.ensemble_ops > safe.run_stats.ensemble_ops
