@@ -172,7 +172,8 @@ def test_rollback_prefix_copy_and_windows_equal_a_fresh_recompute(member: Any) -
     (drafted,) = batch.run({0: Draft(0, 0, prompt, 6, rows=False)}).values()
     # reject the last 4 drafted tokens and verify other ones in a window of 3 read positions
     keep = len(prompt) + 2
-    other = _ids(member, " and the")[-3:]
+    other = _ids(member, " and then we went home")[-3:]
+    assert len(other) == 3
     rows = batch.run({0: Forward(0, keep, other, [0, 1, 2])})[0]
     sequence = prompt + drafted.tokens[:2] + other
     want = fresh(sequence, [keep, keep + 1, keep + 2])

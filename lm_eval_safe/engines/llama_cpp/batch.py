@@ -69,9 +69,10 @@ class LlamaCppBatch(EngineBatch):
             raise RuntimeError(f"row {row} holds {len(state.sequence)} ids, cannot keep {keep}")
         state.sequence = state.sequence[:keep] + list(ids)
         slots = self.engine.slots
+        new = state.slot is None
         if state.slot is None:
             state.slot = slots.take(state.sequence)
-        start = slots.prepare(state.slot, state.sequence, min(want))
+        start = slots.prepare(state.slot, state.sequence, min(want), prompt=new)
         return Feed(state.slot, start, state.sequence[start:], want)
 
     def _forward(self, calls: dict[int, Forward]) -> dict[int, list[torch.Tensor]]:

@@ -17,7 +17,7 @@ from lm_eval_safe.engines.llama_cpp.native import Model
 #: Short, different prompts (token ids from the tokenizer's own range are enough: the check is
 #: of arithmetic, not of text), each fed and then stepped greedily.
 PROBE_LENGTHS = (7, 12, 5, 9)
-PROBE_STEPS = 4
+PROBE_STEPS = 1
 #: Largest difference of logits still counted as equal (they are bit-identical where rows are
 #: independent; anything else shows as differences of whole units)
 TOLERANCE = 1e-4

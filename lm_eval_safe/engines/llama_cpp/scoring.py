@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from lm_eval_safe.engines.llama_cpp.slots import Feed, common_prefix
-from lm_eval_safe.scoring import check_pair
+from lm_eval_safe.engines.scoring import check_pair
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def _score_group(
                     lead = fed[leader[k]]
                     if leader[k] != k and (lead is None or lead < shared[k]):
                         continue  # the leader feeds the shared prefix first
-                    cursor[k] = slots.prepare(taken[k], ids, start - 1)
+                    cursor[k] = slots.prepare(taken[k], ids, start - 1, prompt=True)
                 at = cursor[k]
                 assert at is not None
                 end = len(ids) - 1  # the last id is scored, never fed

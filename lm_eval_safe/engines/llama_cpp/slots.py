@@ -70,9 +70,10 @@ class Slots:
     def give_back(self, slot: int) -> None:
         self.busy[slot] = False
 
-    def prepare(self, slot: int, sequence: Sequence[int], first: int) -> int:
+    def prepare(self, slot: int, sequence: Sequence[int], first: int, prompt: bool = False) -> int:
         """Make ``slot`` hold a prefix of ``sequence`` no longer than ``first`` (the first
-        position whose logits are read must be fed again); returns that prefix's length."""
+        position whose logits are read must be fed again); returns that prefix's length.
+        ``prompt``: the row's first ids (counted as prompt ids looked up, and those reused)."""
         held = common_prefix(self.cached[slot], sequence)
         best, source = held, slot
         for other, ids in enumerate(self.cached):
@@ -88,8 +89,9 @@ class Slots:
             if keep < len(self.cached[slot]):
                 self.model.remove(slot, keep)
         self.cached[slot] = list(sequence[:keep])
-        self.looked_up += first
-        self.reused += keep
+        if prompt:
+            self.looked_up += len(sequence)
+            self.reused += keep
         return keep
 
     def decode(self, feeds: Sequence[Feed]) -> list[torch.Tensor]:
