@@ -85,7 +85,7 @@ class LlamaCppEngine(MemberEngine):
 
     @property
     def shares_prefixes(self) -> bool:
-        return True
+        return self.slots.together
 
     def prefill_counts(self) -> tuple[int, int]:
         return self.slots.looked_up, self.slots.reused

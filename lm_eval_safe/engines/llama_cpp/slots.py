@@ -44,8 +44,11 @@ class Slots:
         n = model.settings.n_seq_max
         self.cached: list[list[int]] = [[] for _ in range(n)]
         self.busy = [False] * n
-        #: whether the rows of one decode go in one ``llama_decode`` (else one call per row:
-        #: :func:`lm_eval_safe.engines.llama_cpp.probe.rows_agree` decides at load time)
+        #: whether the rows of one decode go in one ``llama_decode`` and a row starts from ids
+        #: another computed (:func:`lm_eval_safe.engines.llama_cpp.probe.rows_agree` decides at
+        #: load time). Where a model's logits depend on how its ids are split into decodes, each
+        #: row is decoded on its own and starts from an empty sequence: its distributions are
+        #: then those of the request alone, whatever ran before or beside it.
         self.together = together
         self.looked_up = 0  # ids a row asked to hold (prefill counts)
         self.reused = 0  # of those, read from a slot's cells
@@ -74,10 +77,15 @@ class Slots:
         """Make ``slot`` hold a prefix of ``sequence`` no longer than ``first`` (the first
         position whose logits are read must be fed again); returns that prefix's length.
         ``prompt``: the row's first ids (counted as prompt ids looked up, and those reused)."""
+        if prompt and not self.together:
+            self.model.remove(slot, 0)
+            self.cached[slot] = []
+            self.looked_up += len(sequence)
+            return 0
         held = common_prefix(self.cached[slot], sequence)
         best, source = held, slot
         for other, ids in enumerate(self.cached):
-            if other != slot:
+            if other != slot and self.together:
                 shared = common_prefix(ids, sequence)
                 if shared > best:
                     best, source = shared, other
