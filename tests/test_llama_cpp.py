@@ -64,10 +64,14 @@ def member(request: pytest.FixtureRequest, llama_cpp_installed: None, models: Pa
 
 
 def _reference(member: Any, n_ctx: int = 4096) -> Any:
-    """llama-cpp-python's own high-level model of the same file and settings."""
+    """llama-cpp-python's own high-level model of the same file and settings; for a model whose
+    logits depend on how ids are split into decodes (checked at load), one id per decode, as
+    the engine decodes it (``n_batch=1``)."""
     from llama_cpp import Llama
 
+    one_by_one = {} if member.engine.slots.together else {"n_batch": 1, "n_ubatch": 1}
     return Llama(
+        **one_by_one,
         model_path=member.source.location,
         n_ctx=n_ctx,
         n_threads=THREADS,
@@ -152,9 +156,8 @@ def test_rows_together_equal_each_alone(member: Any) -> None:
 def test_rollback_prefix_copy_and_windows_equal_a_fresh_recompute(member: Any) -> None:
     """A row rolled back after a draft, a row whose prompt prefix is copied from another
     sequence, and a verifier window read at a few positions: the distributions a fresh
-    llama.cpp context computes when fed the same ids in the same decodes, and where the
-    model's logits do not depend on how a sequence is split into decodes (rows agree at load),
-    the distributions of the whole sequence fed at once."""
+    llama.cpp context computes when fed the same ids in the same decodes, and those of the
+    whole sequence fed at once (one id per decode where the model needs it)."""
     import torch
 
     from lm_eval_safe.engines.base import Draft, Forward
@@ -183,42 +186,43 @@ def test_rollback_prefix_copy_and_windows_equal_a_fresh_recompute(member: Any) -
     read = [keep, keep + 1, keep + 2]
     reference.reset()
     assert torch.allclose(rows, fresh([prompt, [d0], [d1], other], read), atol=1e-4)
-    together = member.engine.slots.together
-    if together:
-        reference.reset()
-        assert torch.allclose(rows, fresh([prompt + [d0, d1] + other], read), atol=1e-4)
+    reference.reset()
+    assert torch.allclose(rows, fresh([prompt + [d0, d1] + other], read), atol=1e-4)
     # a second row with the same prompt: its prefix is copied from the first row's sequence
     second = batch.add_row()
     saved = member.engine.slots.reused
     read = [len(prompt) - 1, len(prompt) + 2]
     rows = torch.stack(batch.run({second: Forward(0, 0, prompt + other, read)})[second])
+    assert member.engine.slots.reused - saved == len(prompt) - 1
     reference.reset()
-    if together:  # the prefix is copied
-        assert member.engine.slots.reused - saved == len(prompt) - 1
-        fresh([prompt], [])
-        assert torch.allclose(rows, fresh([prompt[-1:] + other], read, len(prompt) - 1), atol=1e-4)
-        reference.reset()
-    else:  # a row of such a model starts from an empty sequence
-        assert member.engine.slots.reused == saved
+    fresh([prompt], [])
+    assert torch.allclose(rows, fresh([prompt[-1:] + other], read, len(prompt) - 1), atol=1e-4)
+    reference.reset()
     assert torch.allclose(rows, fresh([prompt + other], read), atol=1e-4)
     batch.close()
 
 
 @pytest.mark.real
-def test_theorem_1_on_llama_cpp(llama_cpp_installed: None, models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_theorem_1_on_llama_cpp(llama_cpp_installed: None, models: Path) -> None:
     """SAFE with the plain average (unite, no sharpening) equals ensembling at every aligned
-    position, on the default members on llama.cpp."""
+    position, on the default members on llama.cpp (``engine=llama_cpp`` through the registry)."""
     from helpers import gen_request
 
-    import lm_eval_safe.model as model_module
     from lm_eval_safe.model import SafeEnsembleLM
 
-    loaded = [_member("smollm2-135m"), _member("gemma3-270m", index=1)]
-    monkeypatch.setattr(model_module, "load_members", lambda *args, **kwargs: loaded)
-    opts = {"aggregator": "unite", "sharpen": "none", "batch_size": 2}
-    members = "smollm2-135m,gemma3-270m"
-    safe = SafeEnsembleLM(members=members, schedule="safe", **opts)
-    aligned = SafeEnsembleLM(members=members, schedule="aligned", **opts)
+    opts = {
+        "members": "smollm2-135m,gemma3-270m",
+        "engine": "llama_cpp",
+        "n_threads": THREADS,
+        "n_ctx": 4096,
+        "flash_attn": FLASH,
+        "aggregator": "unite",
+        "sharpen": "none",
+        "batch_size": 4,
+    }
+    safe = SafeEnsembleLM(schedule="safe", **opts)
+    aligned = SafeEnsembleLM(schedule="aligned", **opts)
     requests = [gen_request(p, until=[], max_gen_toks=24) for p in PROMPTS]
     assert safe.generate_until(requests, disable_tqdm=True) == aligned.generate_until(requests, disable_tqdm=True)
+    assert safe.run_stats.ensemble_ops > 0, "the test needs positions where the members disagree"
     assert aligned.run_stats.ensemble_ops > safe.run_stats.ensemble_ops

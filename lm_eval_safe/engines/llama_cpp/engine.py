@@ -85,7 +85,7 @@ class LlamaCppEngine(MemberEngine):
 
     @property
     def shares_prefixes(self) -> bool:
-        return self.slots.together
+        return True
 
     def prefill_counts(self) -> tuple[int, int]:
         return self.slots.looked_up, self.slots.reused

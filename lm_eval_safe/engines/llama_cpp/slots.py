@@ -44,11 +44,12 @@ class Slots:
         n = model.settings.n_seq_max
         self.cached: list[list[int]] = [[] for _ in range(n)]
         self.busy = [False] * n
-        #: whether the rows of one decode go in one ``llama_decode`` and a row starts from ids
-        #: another computed (:func:`lm_eval_safe.engines.llama_cpp.probe.rows_agree` decides at
-        #: load time). Where a model's logits depend on how its ids are split into decodes, each
-        #: row is decoded on its own and starts from an empty sequence: its distributions are
-        #: then those of the request alone, whatever ran before or beside it.
+        #: whether the rows of one decode go in one ``llama_decode``, each row's ids in one
+        #: (:func:`lm_eval_safe.engines.llama_cpp.probe.rows_agree` decides at load time). Where
+        #: a model's logits depend on how its ids are split into decodes, every id is decoded
+        #: on its own (one ``llama_decode`` per id and row): each position is then computed the
+        #: same way whatever the schedule, the batch or the prefix copied, as in a generation
+        #: with ``n_batch=1``.
         self.together = together
         self.looked_up = 0  # ids a row asked to hold (prefill counts)
         self.reused = 0  # of those, read from a slot's cells
@@ -77,15 +78,10 @@ class Slots:
         """Make ``slot`` hold a prefix of ``sequence`` no longer than ``first`` (the first
         position whose logits are read must be fed again); returns that prefix's length.
         ``prompt``: the row's first ids (counted as prompt ids looked up, and those reused)."""
-        if prompt and not self.together:
-            self.model.remove(slot, 0)
-            self.cached[slot] = []
-            self.looked_up += len(sequence)
-            return 0
         held = common_prefix(self.cached[slot], sequence)
         best, source = held, slot
         for other, ids in enumerate(self.cached):
-            if other != slot and self.together:
+            if other != slot:
                 shared = common_prefix(ids, sequence)
                 if shared > best:
                     best, source = shared, other
@@ -132,7 +128,9 @@ class Slots:
         return freed
 
     def _decode(self, feeds: Sequence[Feed]) -> list[torch.Tensor]:
-        groups: Iterable[Sequence[Feed]] = [feeds] if self.together else [[f] for f in feeds]
+        if not self.together:
+            return [self._one_by_one(feed) for feed in feeds]
+        groups: Iterable[Sequence[Feed]] = [feeds]
         out: list[torch.Tensor] = []
         for group in groups:
             entries = [
@@ -152,3 +150,15 @@ class Slots:
                 out.append(rows[index])
                 self.cached[feed.slot].extend(feed.ids)
         return out
+
+    def _one_by_one(self, feed: Feed) -> torch.Tensor:
+        """A feed as one ``llama_decode`` per id."""
+        wanted = set(feed.want)
+        rows: dict[int, torch.Tensor] = {}
+        for i, token in enumerate(feed.ids):
+            position = feed.start + i
+            logits = self.model.decode([(token, position, feed.slot, position in wanted)])
+            self.cached[feed.slot].append(token)
+            if position in wanted:
+                rows[position] = logits[0]
+        return torch.stack([rows[p] for p in feed.want])
