@@ -98,6 +98,7 @@ def _draft(member: Any, prompts: list[list[int]], n: int, rows: bool = False) ->
 
 
 @pytest.mark.real
+@pytest.mark.llama_cpp
 def test_greedy_equals_llama_cpp_python(member: Any) -> None:
     """Each prompt alone, 24 tokens: the tokens llama-cpp-python's ``Llama.generate`` picks at
     temperature 0 on the same GGUF file."""
@@ -115,6 +116,7 @@ def test_greedy_equals_llama_cpp_python(member: Any) -> None:
 
 
 @pytest.mark.real
+@pytest.mark.llama_cpp
 def test_loglikelihoods_equal_llama_cpp_logits(member: Any) -> None:
     """``score_tokens`` of context/continuation pairs (shared contexts included) within 1e-4 of
     the log-softmax of llama.cpp's own logits of the whole sequence, and the same argmax flags."""
@@ -137,6 +139,7 @@ def test_loglikelihoods_equal_llama_cpp_logits(member: Any) -> None:
 
 
 @pytest.mark.real
+@pytest.mark.llama_cpp
 def test_rows_together_equal_each_alone(member: Any) -> None:
     """Four prompts drafted as rows of one batch: each gets the tokens and distributions it gets
     alone (where the load-time check keeps a model's rows apart, through that path)."""
@@ -153,6 +156,7 @@ def test_rows_together_equal_each_alone(member: Any) -> None:
 
 
 @pytest.mark.real
+@pytest.mark.llama_cpp
 def test_rollback_prefix_copy_and_windows_equal_a_fresh_recompute(member: Any) -> None:
     """A row rolled back after a draft, a row whose prompt prefix is copied from another
     sequence, and a verifier window read at a few positions: the distributions a fresh
@@ -203,6 +207,7 @@ def test_rollback_prefix_copy_and_windows_equal_a_fresh_recompute(member: Any) -
 
 
 @pytest.mark.real
+@pytest.mark.llama_cpp
 def test_theorem_1_on_llama_cpp(llama_cpp_installed: None, models: Path) -> None:
     """SAFE with the plain average (unite, no sharpening) equals ensembling at every aligned
     position, on the default members on llama.cpp (``engine=llama_cpp`` through the registry)."""
