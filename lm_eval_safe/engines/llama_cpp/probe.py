@@ -16,7 +16,7 @@ from lm_eval_safe.engines.llama_cpp.native import Model
 
 #: Short, different prompts (token ids from the tokenizer's own range are enough: the check is
 #: of arithmetic, not of text), each fed and then stepped greedily.
-PROBE_LENGTHS = (7, 12, 5, 9)
+PROBE_LENGTHS = (7, 12, 5, 9, 30, 17, 3, 24)
 PROBE_STEPS = 1
 #: Largest difference of logits still counted as equal (they are bit-identical where rows are
 #: independent; anything else shows as differences of whole units)
@@ -61,7 +61,7 @@ def _run(model: Model, prompts: list[list[int]], together: bool) -> list[torch.T
 def rows_agree(model: Model) -> tuple[bool, float]:
     """Whether rows decoded together get the logits they get alone, and the largest
     difference seen."""
-    count = min(len(PROBE_LENGTHS), model.settings.n_seq_max)
+    count = min(len(PROBE_LENGTHS), model.settings.n_seq_max)  # up to 8 rows, 107 ids
     if count < 2:
         return True, 0.0
     prompts = _prompts(model.n_vocab, count)
