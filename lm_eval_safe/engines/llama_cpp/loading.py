@@ -1,0 +1,106 @@
+"""Loading a member on llama.cpp: the GGUF file as it is (no conversion, no de-quantized copy),
+its tokenizer, config and stop ids read by transformers from the same file (the ids the other
+engines use), and the load-time check of whether its rows may share a decode (:mod:`.probe`)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from lm_eval_safe.engines.llama_cpp.options import DEFAULTS, threads
+from lm_eval_safe.errors import OptionError
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = (
+    "engine=llama_cpp needs llama-cpp-python: pip install 'lm-eval-safe[llama-cpp]' "
+    "(built from source: needs cmake and a C++ compiler), or bash scripts/setup.sh --llama-cpp"
+)
+
+
+def require_llama_cpp() -> None:
+    from importlib.util import find_spec
+
+    if find_spec("llama_cpp") is None:
+        raise OptionError(INSTALL_HINT)
+
+
+def text_side(path: Path, trust_remote_code: bool) -> tuple[Any, Any, Any]:
+    """Tokenizer, config and generation config of a GGUF file, read by transformers (as the
+    transformers engine reads them when it converts the file: the same ids and stop ids)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(path.parent), gguf_file=path.name, trust_remote_code=trust_remote_code
+        )
+        config = AutoConfig.from_pretrained(
+            str(path.parent), gguf_file=path.name, trust_remote_code=trust_remote_code
+        )
+    except (ValueError, OSError, KeyError) as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise OptionError(f"transformers could not read the tokenizer of {path} ({first})") from exc
+    return tokenizer, config, GenerationConfig.from_model_config(config)
+
+
+def load_gguf(
+    load: Any,
+    *,
+    n_threads: int = DEFAULTS["n_threads"],
+    n_ctx: int = DEFAULTS["n_ctx"],
+    n_batch: int = DEFAULTS["n_batch"],
+    n_seq_max: int = DEFAULTS["n_seq_max"],
+    n_gpu_layers: int = DEFAULTS["n_gpu_layers"],
+    flash_attn: str = DEFAULTS["flash_attn"],
+    rows_together: bool | None = None,
+) -> Any:
+    """One GGUF member on llama.cpp (``load``: its :class:`~lm_eval_safe.engines.spec.
+    MemberLoad`). ``max_length`` (None: the config's) is capped at ``n_ctx`` (a row's sequence
+    must fit the context's cells). ``rows_together`` None: decided by :func:`.probe.rows_agree`."""
+    require_llama_cpp()
+    import torch
+
+    from lm_eval_safe.engines.llama_cpp.engine import LlamaCppEngine
+    from lm_eval_safe.engines.llama_cpp.native import ContextSettings, Model
+    from lm_eval_safe.engines.llama_cpp.probe import rows_agree
+    from lm_eval_safe.engines.spec import LoadedMember
+    from lm_eval_safe.members import config_max_length
+
+    source = load.source
+    if source.kind != "gguf":
+        raise OptionError(
+            f"member {source.spec!r}: engine=llama_cpp loads GGUF files (an alias or a .gguf file)"
+        )
+    path = Path(source.location)
+    tokenizer, config, generation_config = text_side(path, load.trust_remote_code)
+    settings = ContextSettings(n_ctx, n_batch, n_seq_max, threads(n_threads), flash_attn)
+    model = Model(str(path), n_gpu_layers, settings)
+    if rows_together is None:
+        rows_together, worst = rows_agree(model)
+        if not rows_together:
+            logger.info(
+                "%s: rows decoded together differ from each alone (logits by up to %.3g): "
+                "its rows are decoded one at a time",
+                path.name,
+                worst,
+            )
+    shown = {
+        "n_threads": settings.n_threads,
+        "n_ctx": model.n_ctx,
+        "n_batch": model.n_batch,
+        "n_seq_max": n_seq_max,
+        "n_gpu_layers": n_gpu_layers,
+        "flash_attn": flash_attn,
+    }
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return LoadedMember(
+        tokenizer=tokenizer,
+        config=config,
+        generation_config=generation_config,
+        engine=LlamaCppEngine(model, rows_together, shown),
+        device="cpu",
+        dtype=torch.float32,  # what rows are computed in (the file keeps its own types)
+        max_length=min(config_max_length(config, tokenizer, load.max_length), model.n_ctx),
+    )

@@ -1,0 +1,167 @@
+"""llama.cpp's low-level C API (through llama-cpp-python's ctypes bindings) in one place: a model
+and its context, one ``llama_batch`` filled token by token with each token's position, sequence
+id and logits flag, and the KV cache's per-sequence operations (remove a range, copy a prefix).
+
+The high-level ``llama_cpp.Llama`` keeps one sequence and, with ``logits_all``, copies every
+position's logits; this package asks for the logits of the positions it reads only, and keeps
+one sequence per row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+_BACKEND_READY = False
+
+
+def _quiet(level: int, text: bytes, user_data: Any) -> None:
+    """llama.cpp's log lines go nowhere (it prints every tensor of every load otherwise)."""
+
+
+_LOG_CALLBACK: Any = None
+
+
+def backend() -> Any:
+    """The ``llama_cpp`` module, its backend initialised once per process, its log silenced."""
+    global _BACKEND_READY, _LOG_CALLBACK
+    import llama_cpp
+
+    if not _BACKEND_READY:
+        _LOG_CALLBACK = llama_cpp.llama_log_callback(_quiet)
+        llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+        _BACKEND_READY = True
+    return llama_cpp
+
+
+@dataclass(frozen=True)
+class ContextSettings:
+    """What a context is made with (llama.cpp's names)."""
+
+    n_ctx: int
+    n_batch: int
+    n_seq_max: int
+    n_threads: int
+    flash_attn: str  # "auto" | "on" | "off"
+
+
+class DecodeError(RuntimeError):
+    """``llama_decode`` refused a batch (1: no KV cells left for it)."""
+
+    def __init__(self, code: int):
+        super().__init__(f"llama_decode returned {code}")
+        self.code = code
+
+
+class Model:
+    """A GGUF file loaded by llama.cpp as it is (no conversion), and one context over it."""
+
+    def __init__(self, path: str, n_gpu_layers: int, settings: ContextSettings):
+        lib = backend()
+        self.lib = lib
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        model = lib.llama_model_load_from_file(path.encode(), params)
+        if not model:
+            raise OSError(f"llama.cpp could not load {path}")
+        self.model = model
+        self.vocab = lib.llama_model_get_vocab(model)
+        #: the width of every logits row (the model's output layer; may differ from the tokenizer)
+        self.n_vocab = int(lib.llama_vocab_n_tokens(self.vocab))
+        self.n_swa = int(lib.llama_model_n_swa(model))
+        self.settings = settings
+        ctx_params = lib.llama_context_default_params()
+        ctx_params.n_ctx = settings.n_ctx
+        ctx_params.n_batch = settings.n_batch
+        ctx_params.n_ubatch = settings.n_batch
+        ctx_params.n_seq_max = settings.n_seq_max
+        ctx_params.n_threads = settings.n_threads
+        ctx_params.n_threads_batch = settings.n_threads
+        ctx_params.flash_attn_type = {
+            "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
+            "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+            "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+        }[settings.flash_attn]
+        # every sequence may use any of the n_ctx cells, and a prefix copied between sequences
+        # shares its cells instead of copying them
+        ctx_params.kv_unified = True
+        # sliding-window layers keep every position, so a rollback to any earlier position is
+        # possible (a window-sized cache forgets what a rejected draft would return to)
+        ctx_params.swa_full = True
+        ctx_params.no_perf = True
+        ctx = lib.llama_init_from_model(model, ctx_params)
+        if not ctx:
+            lib.llama_model_free(model)
+            raise OSError(f"llama.cpp could not make a context of {settings.n_ctx} ids for {path}")
+        self.ctx = ctx
+        self.memory = lib.llama_get_memory(ctx)
+        self.n_ctx = int(lib.llama_n_ctx(ctx))
+        self.n_batch = int(lib.llama_n_batch(ctx))
+        self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
+
+    # -- KV cache ------------------------------------------------------------------------
+    def remove(self, seq: int, start: int) -> None:
+        """Forget sequence ``seq`` from position ``start`` on (``0``: all of it)."""
+        self.lib.llama_memory_seq_rm(self.memory, seq, start, -1)
+
+    def copy(self, source: int, target: int, length: int) -> None:
+        """Sequence ``target`` holds the first ``length`` positions of ``source`` (the cells
+        are shared, not recomputed)."""
+        self.lib.llama_memory_seq_rm(self.memory, target, 0, -1)
+        if length:
+            self.lib.llama_memory_seq_cp(self.memory, source, target, 0, length)
+
+    def clear(self) -> None:
+        self.lib.llama_memory_clear(self.memory, True)
+
+    # -- decoding ------------------------------------------------------------------------
+    def decode(self, tokens: list[tuple[int, int, int, bool]]) -> torch.Tensor:
+        """Feed ``(token, position, seq_id, wants_logits)`` entries (in ``n_batch`` chunks) and
+        return the logits of the flagged entries, in order, as a ``[k, n_vocab]`` float32
+        tensor (copied out of llama.cpp's buffer, which the next decode overwrites)."""
+        lib, batch = self.lib, self._batch
+        out: list[torch.Tensor] = []
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = tokens[start : start + self.n_batch]
+            flagged = []
+            for i, (token, pos, seq, wants) in enumerate(chunk):
+                batch.token[i] = token
+                batch.pos[i] = pos
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = seq
+                batch.logits[i] = 1 if wants else 0
+                if wants:
+                    flagged.append(i)
+            batch.n_tokens = len(chunk)
+            code = int(lib.llama_decode(self.ctx, batch))
+            if code != 0:
+                raise DecodeError(code)
+            for i in flagged:
+                pointer = lib.llama_get_logits_ith(self.ctx, i)
+                row = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+                out.append(torch.from_numpy(row.copy()))
+        if not out:
+            return torch.empty((0, self.n_vocab), dtype=torch.float32)
+        return torch.stack(out)
+
+    def close(self) -> None:
+        lib = self.lib
+        if getattr(self, "_batch", None) is not None:
+            lib.llama_batch_free(self._batch)
+            self._batch = None
+        if getattr(self, "ctx", None):
+            lib.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            lib.llama_model_free(self.model)
+            self.model = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown: the library may be gone
+            self.close()
