@@ -52,7 +52,7 @@ def test_a_registered_engine_is_an_option_with_its_own_keys(third: str) -> None:
     with pytest.raises(OptionError, match="reads at most 50 ids"):
         parse_options({"members": "a", "engine": third, "top_k": 60})
     parse_options({"members": "a", "top_k": 60})  # checked only where a member runs on it
-    with pytest.raises(OptionError, match=f"choose one of: hf, vllm, {third}$"):
+    with pytest.raises(OptionError, match=f"choose one of: hf, vllm, llama_cpp, {third}$"):
         parse_options({"members": "a", "engine": "sglang"})
     with pytest.raises(OptionError, match="unknown model_args key"):
         parse_options({"members": "a", "engine": third, "gpu_memory_utilization": "0.4"})
