@@ -29,6 +29,7 @@ CODE = sorted(p for folder in ("lm_eval_safe", "scripts", "tests") for p in (REP
 MAX_MODULE_LINES = 400
 MAX_TEST_MODULE_LINES = 450  # a test module holds its fixtures and cases beside each other
 MAX_CLASS_LINES = 250
+MAX_SCRIPT_FUNCTION_LINES = 80  # a script's steps read as named functions, not one long main
 # a tracker's item: the word, an optional '#', a number (built so this file does not match)
 TRACKER_ITEM = re.compile("iss" + r"ue ?#?[0-9]+", re.IGNORECASE)
 
@@ -46,6 +47,17 @@ def test_modules_and_classes_stay_small(path: Path) -> None:
         if isinstance(node, ast.ClassDef):
             size = node.end_lineno - node.lineno + 1
             assert size <= MAX_CLASS_LINES, f"{_name(path)}: class {node.name} has {size} lines"
+
+
+def test_script_functions_stay_short() -> None:
+    long = []
+    for path in sorted((REPO / "scripts").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                size = node.end_lineno - node.lineno + 1
+                if size > MAX_SCRIPT_FUNCTION_LINES:
+                    long.append(f"{_name(path)}: {node.name} has {size} lines")
+    assert long == []
 
 
 def test_scripts_do_not_edit_sys_path() -> None:
