@@ -26,6 +26,10 @@ class _Row:
 
 
 class LlamaCppBatch(EngineBatch):
+    #: a row's forwards before its drafts (a verifier window, then the next draft)
+    answer_order = (Forward, Draft, Complete)
+    engine_title = "llama.cpp"
+
     def __init__(self, engine: Any):
         self.engine = engine
         self.rows: list[_Row] = []
@@ -49,17 +53,11 @@ class LlamaCppBatch(EngineBatch):
             self.close()
 
     def run(self, calls: dict[int, Call]) -> dict[int, Any]:
-        if any(isinstance(c, Complete) for c in calls.values()):
-            raise RuntimeError("llama.cpp rows are full distributions: nothing to complete")
         with self.engine.timed(len(calls)):
-            results: dict[int, Any] = {}
-            drafts = {r: c for r, c in calls.items() if isinstance(c, Draft)}
-            forwards = {r: c for r, c in calls.items() if isinstance(c, Forward)}
-            if forwards:
-                results.update(self._forward(forwards))
-            if drafts:
-                results.update(self._draft(drafts))
-            return results
+            return super().run(calls)
+
+    def answer_completes(self, calls: dict[int, Complete]) -> dict[int, list[Any]]:
+        raise RuntimeError("llama.cpp rows are full distributions: nothing to complete")
 
     def _feed(self, row: int, keep: int, ids: list[int], want: list[int]) -> Feed:
         """The row's sequence becomes its first ``keep`` ids and ``ids``; its slot is rolled
@@ -75,7 +73,7 @@ class LlamaCppBatch(EngineBatch):
         start = slots.prepare(state.slot, state.sequence, min(want), prompt=new)
         return Feed(state.slot, start, state.sequence[start:], want)
 
-    def _forward(self, calls: dict[int, Forward]) -> dict[int, list[torch.Tensor]]:
+    def answer_forwards(self, calls: dict[int, Forward]) -> dict[int, list[torch.Tensor]]:
         feeds, order = [], []
         for row, call in calls.items():
             want = [call.keep + w for w in call.want]
@@ -89,7 +87,7 @@ class LlamaCppBatch(EngineBatch):
             out[row] = list(self.engine.log_softmax(rows)) if any_wanted else []
         return out
 
-    def _draft(self, calls: dict[int, Draft]) -> dict[int, Drafted]:
+    def answer_drafts(self, calls: dict[int, Draft]) -> dict[int, Drafted]:
         engine = self.engine
         drafted = {row: Drafted([], []) for row in calls}
         steps = {

@@ -76,9 +76,12 @@ def load_gguf(
     tokenizer, config, generation_config = text_side(path, load.trust_remote_code)
     settings = ContextSettings(n_ctx, n_batch, n_seq_max, threads(n_threads), flash_attn)
     model = Model(str(path), n_gpu_layers, settings)
+    worst = None
     if rows_together is None:
         rows_together, worst = rows_agree(model)
-        if not rows_together:
+    if not rows_together:
+        model.separate_streams()
+        if worst is not None:
             logger.info(
                 "%s: rows decoded together differ from each alone (logits by up to %.3g): "
                 "its rows are decoded one at a time",

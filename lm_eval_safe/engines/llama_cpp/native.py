@@ -76,8 +76,21 @@ class Model:
         self.n_vocab = int(lib.llama_vocab_n_tokens(self.vocab))
         self.n_swa = int(lib.llama_model_n_swa(model))
         self.settings = settings
+        #: whether every sequence may use any of the context's cells (one KV stream); else each
+        #: sequence has a stream of its own, its cells always in the order of its positions
+        self.unified = True
+        try:
+            self._open(unified=True)
+        except OSError:
+            lib.llama_model_free(model)
+            raise OSError(f"llama.cpp could not make a context of {settings.n_ctx} ids for {path}") from None
+        self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
+
+    def _open(self, unified: bool) -> None:
+        lib, settings, model = self.lib, self.settings, self.model
         ctx_params = lib.llama_context_default_params()
-        ctx_params.n_ctx = settings.n_ctx
+        # a stream per sequence: each holds n_ctx cells
+        ctx_params.n_ctx = settings.n_ctx if unified else settings.n_ctx * settings.n_seq_max
         ctx_params.n_batch = settings.n_batch
         ctx_params.n_ubatch = settings.n_batch
         ctx_params.n_seq_max = settings.n_seq_max
@@ -88,22 +101,33 @@ class Model:
             "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
             "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
         }[settings.flash_attn]
-        # every sequence may use any of the n_ctx cells, and a prefix copied between sequences
-        # shares its cells instead of copying them
-        ctx_params.kv_unified = True
+        # unified: every sequence may use any of the n_ctx cells, and a prefix copied between
+        # sequences shares its cells instead of copying them
+        ctx_params.kv_unified = unified
         # sliding-window layers keep every position, so a rollback to any earlier position is
         # possible (a window-sized cache forgets what a rejected draft would return to)
         ctx_params.swa_full = True
         ctx_params.no_perf = True
         ctx = lib.llama_init_from_model(model, ctx_params)
         if not ctx:
-            lib.llama_model_free(model)
-            raise OSError(f"llama.cpp could not make a context of {settings.n_ctx} ids for {path}")
+            raise OSError(f"llama.cpp could not make a context of {ctx_params.n_ctx} ids")
         self.ctx = ctx
+        self.unified = unified
         self.memory = lib.llama_get_memory(ctx)
-        self.n_ctx = int(lib.llama_n_ctx(ctx))
+        self.n_ctx = int(lib.llama_n_ctx(ctx)) if unified else settings.n_ctx
         self.n_batch = int(lib.llama_n_batch(ctx))
-        self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
+
+    def separate_streams(self) -> None:
+        """Each sequence in a KV stream of its own (``kv_unified`` off, ``n_ctx`` cells each).
+
+        In the unified cache a sequence's next ids take the first free cells, which may lie
+        below its earlier ones (a hole another sequence's rollback or removal left); the CPU
+        flash-attention kernel sums a position's attention in the order of the cells (in f16),
+        so the same ids then get other logits (SmolLM2: up to 1.06). In a stream of its own a
+        sequence's cells follow its positions whatever other rows did."""
+        self.lib.llama_free(self.ctx)
+        self.ctx = None
+        self._open(unified=False)
 
     # -- KV cache ------------------------------------------------------------------------
     def remove(self, seq: int, start: int) -> None:
@@ -113,9 +137,15 @@ class Model:
     def copy(self, source: int, target: int, length: int) -> None:
         """Sequence ``target`` holds the first ``length`` positions of ``source`` (the cells
         are shared, not recomputed)."""
-        self.lib.llama_memory_seq_rm(self.memory, target, 0, -1)
-        if length:
-            self.lib.llama_memory_seq_cp(self.memory, source, target, 0, length)
+        lib = self.lib
+        lib.llama_memory_seq_rm(self.memory, target, 0, -1)
+        if not length:
+            return
+        if self.unified:
+            lib.llama_memory_seq_cp(self.memory, source, target, 0, length)
+        else:  # across streams llama.cpp copies a whole stream (its cells, in their order)
+            lib.llama_memory_seq_cp(self.memory, source, target, -1, -1)
+            lib.llama_memory_seq_rm(self.memory, target, length, -1)
 
     def clear(self) -> None:
         self.lib.llama_memory_clear(self.memory, True)

@@ -49,7 +49,9 @@ class Slots:
         #: a model's logits depend on how its ids are split into decodes, every id is decoded
         #: on its own (one ``llama_decode`` per id and row): each position is then computed the
         #: same way whatever the schedule, the batch or the prefix copied, as in a generation
-        #: with ``n_batch=1``.
+        #: with ``n_batch=1``; and each sequence has a KV stream of its own
+        #: (:meth:`~lm_eval_safe.engines.llama_cpp.native.Model.separate_streams`), so its cells
+        #: follow its positions whatever other rows freed.
         self.together = together
         self.looked_up = 0  # ids a row asked to hold (prefill counts)
         self.reused = 0  # of those, read from a slot's cells
@@ -111,9 +113,14 @@ class Slots:
                     self.model.remove(feed.slot, feed.start)
                     self.cached[feed.slot] = self.cached[feed.slot][: feed.start]
                 if exc.code != 1 or attempt == 1 or not self.forget():
+                    cells = (
+                        f"{self.model.n_ctx} ids in all, shared by its sequences"
+                        if self.model.unified
+                        else f"{self.model.n_ctx} ids for each sequence"
+                    )
                     raise RuntimeError(
-                        f"llama.cpp has no KV cells left for this batch ({self.model.n_ctx} ids in "
-                        "all, shared by its sequences): give a larger n_ctx= or a smaller batch_size="
+                        f"llama.cpp has no KV cells left for this batch ({cells}): give a larger "
+                        "n_ctx= or a smaller batch_size="
                     ) from exc
         raise AssertionError("unreachable")
 
