@@ -1,6 +1,6 @@
 """The llama.cpp engine against llama.cpp itself (never against this package's own output): the
 real GGUF members' greedy texts equal llama-cpp-python's own greedy generation of the same file,
-their log-likelihoods equal llama.cpp's logits computed directly, rows decoded together equal
+their log-likelihoods equal llama.cpp's logits computed directly, rows decoded in a batch equal
 each alone, a rolled-back, prefix-copied or windowed row equals a fresh recompute, and SAFE's
 Theorem 1 holds on this engine.
 
@@ -30,13 +30,37 @@ PROMPTS = (
     "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:",
     "Once upon a time, in a small village by the sea,",
 )
+#: Few-shot exemplars longer than two of the engine's blocks (``n_batch`` 128 ids), so prompts
+#: that start with them are prefilled in several decodes and share whole blocks
+EXEMPLARS = "".join(
+    f"Question: A shop sells {n} pens a day for {n + 3} days. How many pens does it sell?\n"
+    f"Answer: {n} pens a day for {n + 3} days is {n} * {n + 3} = {n * (n + 3)} pens.\n\n"
+    for n in range(2, 12)
+)
+
+
+def test_blocks_are_cut_at_multiples() -> None:
+    from lm_eval_safe.engines.llama_cpp.slots import blocks
+
+    assert list(blocks(0, 300, 128)) == [(0, 128), (128, 256), (256, 300)]
+    assert list(blocks(100, 260, 128)) == [(100, 128), (128, 256), (256, 260)]
+    assert list(blocks(128, 129, 128)) == [(128, 129)]
+    assert list(blocks(5, 5, 128)) == []
 
 
 def test_options_are_checked() -> None:
     assert parse_option("flash_attn", "true") == "on"
     assert parse_option("n_gpu_layers", "-1") == -1
     assert parse_option("n_ctx", 4096) == 4096
-    for key, value in (("flash_attn", "maybe"), ("n_ctx", "many"), ("n_gpu_layers", -2), ("n_seq_max", 0)):
+    assert parse_option("batch_rows", "true") is True
+    assert parse_option("use_extra_bufts", "0") is False
+    for key, value in (
+        ("flash_attn", "maybe"),
+        ("n_ctx", "many"),
+        ("n_gpu_layers", -2),
+        ("n_seq_max", 0),
+        ("batch_rows", "sometimes"),
+    ):
         with pytest.raises(OptionError):
             parse_option(key, value)
 
@@ -63,23 +87,36 @@ def member(request: pytest.FixtureRequest, llama_cpp_installed: None, models: Pa
     return _member(request.param)
 
 
-def _reference(member: Any, n_ctx: int = 4096) -> Any:
-    """llama-cpp-python's own high-level model of the same file and settings; for a model whose
-    logits depend on how ids are split into decodes (checked at load), one id per decode, as
-    the engine decodes it (``n_batch=1``)."""
+def _reference(member: Any, logits_all: bool = True, n_ctx: int = 4096) -> Any:
+    """llama-cpp-python's own high-level model of the same file and settings: the same
+    ``n_batch`` (its ``eval`` cuts a sequence fed from position 0 at the same multiples) and the
+    CPU's repacked weight layouts off, as the engine loads them (``Llama`` has no argument for
+    that: its default model parameters are patched while it loads)."""
+    import llama_cpp
     from llama_cpp import Llama
 
-    one_by_one = {} if member.engine.slots.together else {"n_batch": 1, "n_ubatch": 1}
-    return Llama(
-        **one_by_one,
-        model_path=member.source.location,
-        n_ctx=n_ctx,
-        n_threads=THREADS,
-        n_threads_batch=THREADS,
-        flash_attn=FLASH == "on",
-        logits_all=True,
-        verbose=False,
-    )
+    made = llama_cpp.llama_model_default_params
+
+    def without_repacking() -> Any:
+        params = made()
+        params.use_extra_bufts = False
+        return params
+
+    n_batch = member.engine.model.n_batch
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llama_cpp.llama.llama_cpp, "llama_model_default_params", without_repacking)
+        return Llama(
+            model_path=member.source.location,
+            n_ctx=n_ctx,
+            n_batch=n_batch,
+            n_ubatch=n_batch,
+            n_threads=THREADS,
+            n_threads_batch=THREADS,
+            flash_attn=FLASH == "on",
+            swa_full=True,
+            logits_all=logits_all,
+            verbose=False,
+        )
 
 
 def _ids(member: Any, text: str) -> list[int]:
@@ -101,9 +138,9 @@ def _draft(member: Any, prompts: list[list[int]], n: int, rows: bool = False) ->
 @pytest.mark.llama_cpp
 def test_greedy_equals_llama_cpp_python(member: Any) -> None:
     """Each prompt alone, 24 tokens: the tokens llama-cpp-python's ``Llama.generate`` picks at
-    temperature 0 on the same GGUF file."""
-    reference = _reference(member)
-    for text in PROMPTS[:3]:
+    temperature 0 on the same GGUF file (a prompt of several blocks among them)."""
+    reference = _reference(member, logits_all=False)
+    for text in (*PROMPTS[:3], EXEMPLARS + "Question: A shop sells 7 pens a day for 4 days. How many pens does it sell?\nAnswer:"):
         ids = _ids(member, text)
         reference.reset()
         expected = []
@@ -118,15 +155,20 @@ def test_greedy_equals_llama_cpp_python(member: Any) -> None:
 @pytest.mark.real
 @pytest.mark.llama_cpp
 def test_loglikelihoods_equal_llama_cpp_logits(member: Any) -> None:
-    """``score_tokens`` of context/continuation pairs (shared contexts included) within 1e-4 of
-    the log-softmax of llama.cpp's own logits of the whole sequence, and the same argmax flags."""
+    """``score_tokens`` of context/continuation pairs (shared contexts of several blocks
+    included) within 1e-4 of the log-softmax of llama.cpp's own logits of the whole sequence,
+    and the same argmax flags."""
     import torch
 
     reference = _reference(member)
-    contexts = [_ids(member, PROMPTS[0]), _ids(member, PROMPTS[2])]
+    contexts = [_ids(member, PROMPTS[0]), _ids(member, EXEMPLARS + PROMPTS[2])]
     conts = [_ids(member, " Paris, of course.")[1:] or [42], [13, 14, 15, 16], [7]]
     pairs = [(ctx, cont) for ctx in contexts for cont in conts]
+    member.engine.forget_prefixes()
+    saved = member.engine.slots.reused
     scored = member.engine.score_tokens(pairs, "auto", 64)
+    # the long context's whole blocks are computed once for its three continuations
+    assert member.engine.slots.reused - saved == 2 * ((len(contexts[1]) - 1) // 128 * 128)
     vocab = len(member.tokenizer)
     for (ctx, cont), (logprobs, greedy) in zip(pairs, scored, strict=True):
         reference.reset()
@@ -141,43 +183,53 @@ def test_loglikelihoods_equal_llama_cpp_logits(member: Any) -> None:
 @pytest.mark.real
 @pytest.mark.llama_cpp
 def test_rows_together_equal_each_alone(member: Any) -> None:
-    """Four prompts drafted as rows of one batch: each gets the tokens and distributions it gets
-    alone (where the load-time check keeps a model's rows apart, through that path)."""
+    """Four prompts sharing few-shot exemplars drafted as rows of one batch, then again (their
+    exemplars' blocks now read from the cache), then each alone in a cache emptied first: the
+    same tokens and distributions every time."""
     import torch
 
-    prompts = [_ids(member, text) for text in PROMPTS]
-    together = _draft(member, prompts, 16, rows=True)
-    for ids, got in zip(prompts, together, strict=True):
+    prompts = [_ids(member, EXEMPLARS + text) for text in PROMPTS]
+    member.engine.forget_prefixes()
+    together = _draft(member, prompts, 12, rows=True)
+    saved = member.engine.slots.reused
+    again = _draft(member, prompts, 12, rows=True)
+    assert member.engine.slots.reused - saved >= 4 * 256, "the exemplars' blocks were not reused"
+    for r, ids in enumerate(prompts):
         member.engine.forget_prefixes()
-        (alone,) = _draft(member, [ids], 16, rows=True)
-        assert got.tokens == alone.tokens
-        for a, b in zip(got.rows, alone.rows, strict=True):
-            assert torch.allclose(a, b, atol=1e-4)
+        (alone,) = _draft(member, [ids], 12, rows=True)
+        for got in (together[r], again[r]):
+            assert got.tokens == alone.tokens
+            for a, b in zip(got.rows, alone.rows, strict=True):
+                assert torch.equal(a, b)
 
 
 @pytest.mark.real
 @pytest.mark.llama_cpp
 def test_rollback_prefix_copy_and_windows_equal_a_fresh_recompute(member: Any) -> None:
-    """A row rolled back after a draft, a row whose prompt prefix is copied from another
-    sequence, and a verifier window read at a few positions: the distributions a fresh
-    llama.cpp context computes when fed the same ids in the same decodes, and those of the
-    whole sequence fed at once (one id per decode where the model needs it)."""
+    """A row rolled back after a draft and then read in a verifier window equals a fresh
+    llama.cpp context fed the same ids in the same decodes; a second row whose prompt's whole
+    blocks are copied from the first row's sequence equals a fresh context fed its whole
+    sequence at once."""
     import torch
 
     from lm_eval_safe.engines.base import Draft, Forward
 
     reference = _reference(member)
     vocab = len(member.tokenizer)
+    block = member.engine.slots.block
 
-    def fresh(decodes: list[list[int]], positions: list[int], keep: int = 0) -> torch.Tensor:
-        """Feed ``decodes`` one ``eval`` each after the first ``keep`` ids already held."""
-        reference.n_tokens = keep
+    def fresh(decodes: list[list[int]], positions: list[int]) -> torch.Tensor:
+        """A fresh context fed ``decodes``, one ``eval`` each."""
+        reference.reset()
         for ids in decodes:
             reference.eval(ids)
         logits = torch.tensor(reference.scores[: reference.n_tokens], dtype=torch.float32)
         return torch.log_softmax(logits[positions, :vocab], dim=-1)
 
-    prompt = _ids(member, PROMPTS[3])
+    member.engine.forget_prefixes()
+    prompt = _ids(member, EXEMPLARS + PROMPTS[3])
+    prompt = prompt[: len(prompt) // block * block - 16]  # the window below within one block
+    assert len(prompt) > 2 * block
     batch = member.engine.new_batch()
     batch.add_row()
     (drafted,) = batch.run({0: Draft(0, 0, prompt, 6, rows=False)}).values()
@@ -188,20 +240,14 @@ def test_rollback_prefix_copy_and_windows_equal_a_fresh_recompute(member: Any) -
     rows = torch.stack(batch.run({0: Forward(0, keep, other, [0, 1, 2])})[0])
     d0, d1 = drafted.tokens[:2]
     read = [keep, keep + 1, keep + 2]
-    reference.reset()
     assert torch.allclose(rows, fresh([prompt, [d0], [d1], other], read), atol=1e-4)
-    reference.reset()
-    assert torch.allclose(rows, fresh([prompt + [d0, d1] + other], read), atol=1e-4)
-    # a second row with the same prompt: its prefix is copied from the first row's sequence
+    # a second row with the same prompt: its prompt's whole blocks are copied from the first
+    # row's sequence (what follows them is the first row's own and is not read)
     second = batch.add_row()
     saved = member.engine.slots.reused
     read = [len(prompt) - 1, len(prompt) + 2]
     rows = torch.stack(batch.run({second: Forward(0, 0, prompt + other, read)})[second])
-    assert member.engine.slots.reused - saved == len(prompt) - 1
-    reference.reset()
-    fresh([prompt], [])
-    assert torch.allclose(rows, fresh([prompt[-1:] + other], read, len(prompt) - 1), atol=1e-4)
-    reference.reset()
+    assert member.engine.slots.reused - saved == (len(prompt) - 1) // block * block
     assert torch.allclose(rows, fresh([prompt + other], read), atol=1e-4)
     batch.close()
 

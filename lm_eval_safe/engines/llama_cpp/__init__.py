@@ -5,9 +5,10 @@ llama-cpp-python's low-level API, the file loaded as it is (no de-quantized copy
   across calls: a rejected draft is rolled back with ``llama_memory_seq_rm``, a prompt prefix
   another sequence holds is copied with ``llama_memory_seq_cp`` (:mod:`.slots`);
 - a verifier's window asks for logits at the positions it reads only (per-token logits flags
-  in one ``llama_batch``); a draft is one ``llama_decode`` per token for all drafting rows;
+  in one ``llama_batch``); a draft step feeds one id per drafting row;
 - rows are full log-softmax rows over the tokenizer's ids, so every decision is exact;
-- whether rows share a ``llama_decode`` is checked when the model loads (:mod:`.probe`).
+- each row's ids are decoded apart from other rows', cut at the multiples of ``n_batch``, so a row
+  gets the distributions it gets alone (:mod:`.slots`).
 
 Modules: :mod:`.native` (the C API in one place), :mod:`.slots`, :mod:`.batch`, :mod:`.scoring`,
 :mod:`.engine`, :mod:`.loading`, :mod:`.options` (llama.cpp's option names and their checks).

@@ -1,7 +1,7 @@
 """One llama.cpp member's rows in a generation batch: each row is a sequence (a slot,
 :mod:`.slots`) of the member's context, kept across calls. A call's ``keep`` rolls the slot
 back (``llama_memory_seq_rm``) to what stays; only the ids after it are fed, with logits asked
-at the positions read. A draft is one ``llama_decode`` per drafted token for all drafting rows.
+at the positions read. A draft step feeds one id per drafting row.
 
 Rows are full log-softmax rows over the tokenizer's ids (as the transformers engine computes
 them), so every decision is exact and the decoder never asks for :class:`Complete`.
@@ -70,7 +70,7 @@ class LlamaCppBatch(EngineBatch):
         new = state.slot is None
         if state.slot is None:
             state.slot = slots.take(state.sequence)
-        start = slots.prepare(state.slot, state.sequence, min(want), prompt=new)
+        start = slots.prepare(state.slot, state.sequence, min(want), new=new)
         return Feed(state.slot, start, state.sequence[start:], want)
 
     def answer_forwards(self, calls: dict[int, Forward]) -> dict[int, list[torch.Tensor]]:

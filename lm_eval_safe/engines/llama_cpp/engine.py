@@ -21,10 +21,10 @@ class LlamaCppEngine(MemberEngine):
     kind = "llama_cpp"
     full_rows = True
 
-    def __init__(self, model: Model, together: bool, settings: dict[str, Any]):
+    def __init__(self, model: Model, batch_rows: bool, settings: dict[str, Any]):
         super().__init__()
         self.model = model
-        self.slots = Slots(model, together)
+        self.slots = Slots(model, batch_rows)
         self.settings = settings
 
     # -- rows --------------------------------------------------------------------------
@@ -73,7 +73,7 @@ class LlamaCppEngine(MemberEngine):
     ) -> list[tuple[list[float], list[bool]]]:
         from lm_eval_safe.engines.llama_cpp.scoring import score_tokens
 
-        return score_tokens(self, pairs, batch_size, progress)
+        return score_tokens(self, pairs, progress)
 
     @property
     def rolling_window(self) -> int:
@@ -94,13 +94,16 @@ class LlamaCppEngine(MemberEngine):
         self.slots.forget()
 
     def describe(self) -> dict[str, Any]:
-        return {"engine": self.kind, **self.settings, "rows_together": self.slots.together}
+        return {"engine": self.kind, **self.settings}
 
     def identity(self) -> dict[str, Any]:
         """The engine (its kernels round differently from transformers': answers are kept
         apart in ``--use_cache``), the library's version and the settings that change logits
-        (flash attention, layers on a GPU)."""
+        (flash attention, layers on a GPU, the weights' layouts, how ids are cut into decodes)."""
         from importlib.metadata import version
 
-        changing = {k: self.settings[k] for k in ("flash_attn", "n_gpu_layers") if k in self.settings}
+        changing = {
+            k: self.settings[k]
+            for k in ("flash_attn", "n_gpu_layers", "use_extra_bufts", "n_batch", "batch_rows")
+        }
         return {"engine": self.kind, "llama_cpp_python": version("llama-cpp-python"), **changing}

@@ -1,17 +1,14 @@
 """Loading a member on llama.cpp: the GGUF file as it is (no conversion, no de-quantized copy),
 its tokenizer, config and stop ids read by transformers from the same file (the ids the other
-engines use), and the load-time check of whether its rows may share a decode (:mod:`.probe`)."""
+engines use)."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
 from lm_eval_safe.engines.llama_cpp.options import DEFAULTS, threads
 from lm_eval_safe.errors import OptionError
-
-logger = logging.getLogger(__name__)
 
 INSTALL_HINT = (
     "engine=llama_cpp needs llama-cpp-python: pip install 'lm-eval-safe[llama-cpp]' "
@@ -53,17 +50,17 @@ def load_gguf(
     n_seq_max: int = DEFAULTS["n_seq_max"],
     n_gpu_layers: int = DEFAULTS["n_gpu_layers"],
     flash_attn: str = DEFAULTS["flash_attn"],
-    rows_together: bool | None = None,
+    use_extra_bufts: bool = DEFAULTS["use_extra_bufts"],
+    batch_rows: bool = DEFAULTS["batch_rows"],
 ) -> Any:
     """One GGUF member on llama.cpp (``load``: its :class:`~lm_eval_safe.engines.spec.
     MemberLoad`). ``max_length`` (None: the config's) is capped at ``n_ctx`` (a row's sequence
-    must fit the context's cells). ``rows_together`` None: decided by :func:`.probe.rows_agree`."""
+    must fit its sequence's cells)."""
     require_llama_cpp()
     import torch
 
     from lm_eval_safe.engines.llama_cpp.engine import LlamaCppEngine
     from lm_eval_safe.engines.llama_cpp.native import ContextSettings, Model
-    from lm_eval_safe.engines.llama_cpp.probe import rows_agree
     from lm_eval_safe.engines.spec import LoadedMember
     from lm_eval_safe.members import config_max_length
 
@@ -74,20 +71,8 @@ def load_gguf(
         )
     path = Path(source.location)
     tokenizer, config, generation_config = text_side(path, load.trust_remote_code)
-    settings = ContextSettings(n_ctx, n_batch, n_seq_max, threads(n_threads), flash_attn)
+    settings = ContextSettings(n_ctx, n_batch, n_seq_max, threads(n_threads), flash_attn, use_extra_bufts)
     model = Model(str(path), n_gpu_layers, settings)
-    worst = None
-    if rows_together is None:
-        rows_together, worst = rows_agree(model)
-    if not rows_together:
-        model.separate_streams()
-        if worst is not None:
-            logger.info(
-                "%s: rows decoded together differ from each alone (logits by up to %.3g): "
-                "its rows are decoded one at a time",
-                path.name,
-                worst,
-            )
     shown = {
         "n_threads": settings.n_threads,
         "n_ctx": model.n_ctx,
@@ -95,6 +80,8 @@ def load_gguf(
         "n_seq_max": n_seq_max,
         "n_gpu_layers": n_gpu_layers,
         "flash_attn": flash_attn,
+        "use_extra_bufts": use_extra_bufts,
+        "batch_rows": batch_rows,
     }
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -102,7 +89,7 @@ def load_gguf(
         tokenizer=tokenizer,
         config=config,
         generation_config=generation_config,
-        engine=LlamaCppEngine(model, rows_together, shown),
+        engine=LlamaCppEngine(model, batch_rows, shown),
         device="cpu",
         dtype=torch.float32,  # what rows are computed in (the file keeps its own types)
         max_length=min(config_max_length(config, tokenizer, load.max_length), model.n_ctx),

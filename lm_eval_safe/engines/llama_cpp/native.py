@@ -42,13 +42,15 @@ def backend() -> Any:
 
 @dataclass(frozen=True)
 class ContextSettings:
-    """What a context is made with (llama.cpp's names)."""
+    """What a model and its context are made with (llama.cpp's names). ``n_ctx``: KV cells of
+    each sequence (each has a stream of its own)."""
 
     n_ctx: int
     n_batch: int
     n_seq_max: int
     n_threads: int
     flash_attn: str  # "auto" | "on" | "off"
+    use_extra_bufts: bool = False
 
 
 class DecodeError(RuntimeError):
@@ -60,13 +62,23 @@ class DecodeError(RuntimeError):
 
 
 class Model:
-    """A GGUF file loaded by llama.cpp as it is (no conversion), and one context over it."""
+    """A GGUF file loaded by llama.cpp as it is (no conversion), and one context over it whose
+    sequences each have a KV stream of their own (``kv_unified`` off, ``n_ctx`` cells each).
+
+    Streams of their own: in a unified cache a sequence's next ids take the first free cells,
+    which may lie below its earlier ones (a hole another sequence's rollback left), and the CPU
+    flash-attention kernel sums a position's attention in the order of the cells (in f16), so
+    the same ids get other logits (SmolLM2: up to 1.06). In a stream of its own a sequence's
+    cells follow its positions whatever other rows did, bit-identical to a fresh context."""
 
     def __init__(self, path: str, n_gpu_layers: int, settings: ContextSettings):
         lib = backend()
         self.lib = lib
         params = lib.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        # repacked weight layouts compute rows in groups of 4 and the rest apart, so a
+        # position's logits would depend on how many ids share its decode (Gemma-3: by 3.6)
+        params.use_extra_bufts = settings.use_extra_bufts
         model = lib.llama_model_load_from_file(path.encode(), params)
         if not model:
             raise OSError(f"llama.cpp could not load {path}")
@@ -74,23 +86,9 @@ class Model:
         self.vocab = lib.llama_model_get_vocab(model)
         #: the width of every logits row (the model's output layer; may differ from the tokenizer)
         self.n_vocab = int(lib.llama_vocab_n_tokens(self.vocab))
-        self.n_swa = int(lib.llama_model_n_swa(model))
         self.settings = settings
-        #: whether every sequence may use any of the context's cells (one KV stream); else each
-        #: sequence has a stream of its own, its cells always in the order of its positions
-        self.unified = True
-        try:
-            self._open(unified=True)
-        except OSError:
-            lib.llama_model_free(model)
-            raise OSError(f"llama.cpp could not make a context of {settings.n_ctx} ids for {path}") from None
-        self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
-
-    def _open(self, unified: bool) -> None:
-        lib, settings, model = self.lib, self.settings, self.model
         ctx_params = lib.llama_context_default_params()
-        # a stream per sequence: each holds n_ctx cells
-        ctx_params.n_ctx = settings.n_ctx if unified else settings.n_ctx * settings.n_seq_max
+        ctx_params.n_ctx = settings.n_ctx * settings.n_seq_max
         ctx_params.n_batch = settings.n_batch
         ctx_params.n_ubatch = settings.n_batch
         ctx_params.n_seq_max = settings.n_seq_max
@@ -101,33 +99,25 @@ class Model:
             "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
             "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
         }[settings.flash_attn]
-        # unified: every sequence may use any of the n_ctx cells, and a prefix copied between
-        # sequences shares its cells instead of copying them
-        ctx_params.kv_unified = unified
+        ctx_params.kv_unified = False
         # sliding-window layers keep every position, so a rollback to any earlier position is
         # possible (a window-sized cache forgets what a rejected draft would return to)
         ctx_params.swa_full = True
         ctx_params.no_perf = True
         ctx = lib.llama_init_from_model(model, ctx_params)
         if not ctx:
-            raise OSError(f"llama.cpp could not make a context of {ctx_params.n_ctx} ids")
+            lib.llama_model_free(model)
+            self.model = None
+            raise OSError(
+                f"llama.cpp could not make a context of {settings.n_seq_max} sequences of "
+                f"{settings.n_ctx} ids for {path}: give a smaller n_ctx= or n_seq_max="
+            )
         self.ctx = ctx
-        self.unified = unified
         self.memory = lib.llama_get_memory(ctx)
-        self.n_ctx = int(lib.llama_n_ctx(ctx)) if unified else settings.n_ctx
+        #: KV cells of each sequence
+        self.n_ctx = settings.n_ctx
         self.n_batch = int(lib.llama_n_batch(ctx))
-
-    def separate_streams(self) -> None:
-        """Each sequence in a KV stream of its own (``kv_unified`` off, ``n_ctx`` cells each).
-
-        In the unified cache a sequence's next ids take the first free cells, which may lie
-        below its earlier ones (a hole another sequence's rollback or removal left); the CPU
-        flash-attention kernel sums a position's attention in the order of the cells (in f16),
-        so the same ids then get other logits (SmolLM2: up to 1.06). In a stream of its own a
-        sequence's cells follow its positions whatever other rows did."""
-        self.lib.llama_free(self.ctx)
-        self.ctx = None
-        self._open(unified=False)
+        self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
 
     # -- KV cache ------------------------------------------------------------------------
     def remove(self, seq: int, start: int) -> None:
@@ -141,11 +131,9 @@ class Model:
         lib.llama_memory_seq_rm(self.memory, target, 0, -1)
         if not length:
             return
-        if self.unified:
-            lib.llama_memory_seq_cp(self.memory, source, target, 0, length)
-        else:  # across streams llama.cpp copies a whole stream (its cells, in their order)
-            lib.llama_memory_seq_cp(self.memory, source, target, -1, -1)
-            lib.llama_memory_seq_rm(self.memory, target, length, -1)
+        # across streams llama.cpp copies a whole stream (its cells, in their order)
+        lib.llama_memory_seq_cp(self.memory, source, target, -1, -1)
+        lib.llama_memory_seq_rm(self.memory, target, length, -1)
 
     def clear(self) -> None:
         self.lib.llama_memory_clear(self.memory, True)

@@ -8,16 +8,22 @@ from typing import Any
 from lm_eval_safe.errors import OptionError
 
 #: ``--model_args`` keys of this engine and their defaults. ``n_threads`` 0: every core this
-#: process may use; ``n_ctx``: KV cells of a member's context, shared by its sequences;
-#: ``n_seq_max``: sequences (rows decoded together, and prompt prefixes kept for reuse);
-#: ``n_gpu_layers``: layers on a GPU or Metal (0: none; -1: all).
+#: process may use; ``n_ctx``: KV cells of each sequence; ``n_batch``: most ids one
+#: ``llama_decode`` takes, and the blocks every feed is cut into; ``n_seq_max``: sequences (rows
+#: of a batch, and prompt prefixes kept for reuse); ``n_gpu_layers``: layers on a GPU or Metal
+#: (0: none; -1: all); ``use_extra_bufts``: llama.cpp's repacked CPU weight layouts (faster by a
+#: few percent, but a position's logits then depend on how many ids share its decode);
+#: ``batch_rows``: a batch's rows in one ``llama_decode`` (faster at several rows, but a row's
+#: text then depends on its batch).
 DEFAULTS: dict[str, Any] = {
     "n_threads": 0,
-    "n_ctx": 16384,
-    "n_batch": 512,
+    "n_ctx": 4096,
+    "n_batch": 128,
     "n_seq_max": 8,
     "n_gpu_layers": 0,
     "flash_attn": "auto",
+    "use_extra_bufts": False,
+    "batch_rows": False,
 }
 FLASH_ATTN = ("auto", "on", "off")
 
@@ -34,8 +40,19 @@ def _integer(key: str, value: Any, low: int) -> int:
     return number
 
 
+def _switch(key: str, value: Any) -> bool:
+    text = str(value).strip().lower()
+    if text in ("true", "1", "on", "yes"):
+        return True
+    if text in ("false", "0", "off", "no"):
+        return False
+    raise OptionError(f"{key}={value!r}: give true or false")
+
+
 def parse_option(key: str, value: Any) -> Any:
     """One option's value, typed and checked (one-line :class:`OptionError`)."""
+    if key in ("use_extra_bufts", "batch_rows"):
+        return _switch(key, value)
     if key == "flash_attn":
         text = str(value).strip().lower()
         text = {"true": "on", "false": "off", "1": "on", "0": "off"}.get(text, text)

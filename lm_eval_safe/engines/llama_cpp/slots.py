@@ -1,17 +1,31 @@
 """A member's KV cache as ``n_seq_max`` sequences (slots) of one llama.cpp context, each holding
-the ids it was last fed.
+the ids it was last fed, and the one rule that keeps a row's distributions independent of its
+batch and of what the cache held before.
 
-A row (of a generation batch, or a scored continuation) takes a free slot when it first feeds
-ids: the slot whose ids share the longest prefix with its sequence, the rest rolled back with
-``llama_memory_seq_rm``; where another slot (busy or not) shares a longer prefix, its cells are
-copied (``llama_memory_seq_cp``: the unified cache shares them, nothing is recomputed). A slot
-given back keeps its ids until another row needs it, so a prompt prefix outlives the request
-that computed it (few-shot exemplars, a chat template's system turn).
+On llama.cpp's CPU kernels a position's logits depend on how many ids its ``llama_decode``
+holds (matrix products over one row and over several take other code paths, and so does flash
+attention over 1, a few and 64 or more queries), so a row computes the same distributions
+alone and in a batch only if its ids are cut into decodes the same way. Hence:
+
+- each row's ids go in decodes of their own (``batch_rows=false``, the default), never shared
+  with another row's;
+- every feed is cut at the multiples of ``n_batch`` (absolute positions), so a prompt is
+  computed in the same blocks whatever its first feed held;
+- a new row reuses another request's cells (its slot's, or copied from another slot with
+  ``llama_memory_seq_cp``) only for whole blocks ``[k * n_batch, (k + 1) * n_batch)`` that were
+  computed in one piece from a block boundary (a slot's :attr:`Slots.canonical` length): the
+  row alone computes exactly these blocks. A row's own rollback keeps any prefix it fed itself.
+
+A slot given back keeps its ids until another row needs it, so a prompt prefix outlives the
+request that computed it (few-shot exemplars, a chat template's system turn).
+
+``batch_rows=true`` puts all rows of a step in one ``llama_decode`` and reuses any shared
+prefix: faster at several rows, but a row's text then depends on its batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +41,15 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+def blocks(start: int, end: int, size: int) -> Iterator[tuple[int, int]]:
+    """``[start, end)`` cut at the multiples of ``size``."""
+    at = start
+    while at < end:
+        stop = min(end, (at // size + 1) * size)
+        yield at, stop
+        at = stop
+
+
 @dataclass
 class Feed:
     """One slot's part of a decode: ``ids`` fed from position ``start``; logits after the
@@ -39,21 +62,18 @@ class Feed:
 
 
 class Slots:
-    def __init__(self, model: Model, together: bool):
+    def __init__(self, model: Model, batch_rows: bool):
         self.model = model
         n = model.settings.n_seq_max
         self.cached: list[list[int]] = [[] for _ in range(n)]
+        #: leading ids of each slot computed as whole blocks of ``block`` ids, each in one
+        #: decode from a block boundary (a multiple of ``block``)
+        self.canonical = [0] * n
         self.busy = [False] * n
-        #: whether the rows of one decode go in one ``llama_decode``, each row's ids in one
-        #: (:func:`lm_eval_safe.engines.llama_cpp.probe.rows_agree` decides at load time). Where
-        #: a model's logits depend on how its ids are split into decodes, every id is decoded
-        #: on its own (one ``llama_decode`` per id and row): each position is then computed the
-        #: same way whatever the schedule, the batch or the prefix copied, as in a generation
-        #: with ``n_batch=1``; and each sequence has a KV stream of its own
-        #: (:meth:`~lm_eval_safe.engines.llama_cpp.native.Model.separate_streams`), so its cells
-        #: follow its positions whatever other rows freed.
-        self.together = together
-        self.looked_up = 0  # ids a row asked to hold (prefill counts)
+        self.block = model.n_batch
+        #: all rows of a step in one ``llama_decode`` (and any shared prefix reused)
+        self.batch_rows = batch_rows
+        self.looked_up = 0  # ids a new row asked to hold (prefill counts)
         self.reused = 0  # of those, read from a slot's cells
 
     @property
@@ -61,68 +81,67 @@ class Slots:
         return self.busy.count(False)
 
     def take(self, sequence: Sequence[int]) -> int:
-        """A free slot for a row whose sequence starts with ``sequence`` (its longest cached
-        prefix first; the emptiest on a tie)."""
+        """A free slot for a row whose sequence starts with ``sequence`` (the one it may reuse
+        most of first; the emptiest on a tie)."""
         free = [s for s in range(len(self.busy)) if not self.busy[s]]
         if not free:
             raise RuntimeError(
                 f"every one of llama.cpp's {len(self.busy)} sequences is in use: give a larger "
                 "n_seq_max= or a smaller batch_size="
             )
-        slot = max(free, key=lambda s: (common_prefix(self.cached[s], sequence), -len(self.cached[s])))
+        slot = max(free, key=lambda s: (self._reusable(s, sequence, len(sequence)), -len(self.cached[s])))
         self.busy[slot] = True
         return slot
 
     def give_back(self, slot: int) -> None:
         self.busy[slot] = False
 
-    def prepare(self, slot: int, sequence: Sequence[int], first: int, prompt: bool = False) -> int:
+    def _reusable(self, slot: int, sequence: Sequence[int], first: int) -> int:
+        """How much of ``sequence`` a new row may read from ``slot``'s cells, at most ``first``."""
+        shared = min(common_prefix(self.cached[slot], sequence), first)
+        if self.batch_rows:
+            return shared
+        return min(shared, self.canonical[slot]) // self.block * self.block
+
+    def prepare(self, slot: int, sequence: Sequence[int], first: int, new: bool = False) -> int:
         """Make ``slot`` hold a prefix of ``sequence`` no longer than ``first`` (the first
         position whose logits are read must be fed again); returns that prefix's length.
-        ``prompt``: the row's first ids (counted as prompt ids looked up, and those reused)."""
-        held = common_prefix(self.cached[slot], sequence)
-        best, source = held, slot
-        for other, ids in enumerate(self.cached):
-            if other != slot:
-                shared = common_prefix(ids, sequence)
-                if shared > best:
-                    best, source = shared, other
-        keep = min(best, first)
-        if source != slot and keep > held:
-            self.model.copy(source, slot, keep)
-        else:
-            keep = min(held, first)
-            if keep < len(self.cached[slot]):
-                self.model.remove(slot, keep)
-        self.cached[slot] = list(sequence[:keep])
-        if prompt:
+        ``new``: the row's first ids (another request's cells are read by the rule above;
+        counted as prompt ids looked up, and those reused)."""
+        if new:
+            keep, source = self._reusable(slot, sequence, first), slot
+            for other in range(len(self.cached)):
+                if other != slot and (shared := self._reusable(other, sequence, first)) > keep:
+                    keep, source = shared, other
             self.looked_up += len(sequence)
             self.reused += keep
+        else:
+            keep, source = min(common_prefix(self.cached[slot], sequence), first), slot
+        if source != slot:
+            self.model.copy(source, slot, keep)
+            self.canonical[slot] = min(self.canonical[source], keep)
+        elif keep < len(self.cached[slot]):
+            self.model.remove(slot, keep)
+            self.canonical[slot] = min(self.canonical[slot], keep // self.block * self.block)
+        self.cached[slot] = list(sequence[:keep])
         return keep
 
     def decode(self, feeds: Sequence[Feed]) -> list[torch.Tensor]:
-        """Run every feed (one ``llama_decode`` for all, or one per feed when rows are kept
-        apart) and return each feed's logits at its ``want`` positions (``[k, n_vocab]``).
-        A batch that finds no free KV cells is tried again after the cells of slots no row
-        holds are freed."""
-        for attempt in range(2):
-            try:
-                return self._decode(feeds)
-            except DecodeError as exc:
-                for feed in feeds:  # a failed decode may leave some of its chunks behind
-                    self.model.remove(feed.slot, feed.start)
-                    self.cached[feed.slot] = self.cached[feed.slot][: feed.start]
-                if exc.code != 1 or attempt == 1 or not self.forget():
-                    cells = (
-                        f"{self.model.n_ctx} ids in all, shared by its sequences"
-                        if self.model.unified
-                        else f"{self.model.n_ctx} ids for each sequence"
-                    )
-                    raise RuntimeError(
-                        f"llama.cpp has no KV cells left for this batch ({cells}): give a larger "
-                        "n_ctx= or a smaller batch_size="
-                    ) from exc
-        raise AssertionError("unreachable")
+        """Run every feed and return each feed's logits at its ``want`` positions
+        (``[k, n_vocab]``)."""
+        try:
+            if self.batch_rows:
+                return self._together(feeds)
+            return [self._apart(feed) for feed in feeds]
+        except DecodeError as exc:
+            for feed in feeds:  # a failed decode may leave some of its blocks behind
+                self.model.remove(feed.slot, feed.start)
+                self.cached[feed.slot] = self.cached[feed.slot][: feed.start]
+                self.canonical[feed.slot] = min(self.canonical[feed.slot], feed.start // self.block * self.block)
+            raise RuntimeError(
+                f"llama.cpp has no KV cells left for this batch ({self.model.n_ctx} ids for each "
+                "sequence): give a larger n_ctx="
+            ) from exc
 
     def forget(self) -> bool:
         """Forget the ids of every slot no row holds; whether any were forgotten."""
@@ -131,41 +150,44 @@ class Slots:
             if not busy and self.cached[slot]:
                 self.model.remove(slot, 0)
                 self.cached[slot] = []
+                self.canonical[slot] = 0
                 freed = True
         return freed
 
-    def _decode(self, feeds: Sequence[Feed]) -> list[torch.Tensor]:
-        if not self.together:
-            return [self._one_by_one(feed) for feed in feeds]
-        groups: Iterable[Sequence[Feed]] = [feeds]
-        out: list[torch.Tensor] = []
-        for group in groups:
-            entries = [
-                (token, feed.start + i, feed.slot, feed.start + i in wanted)
-                for feed in group
-                for wanted in [set(feed.want)]
-                for i, token in enumerate(feed.ids)
-            ]
-            logits = self.model.decode(entries)
-            at = 0
-            for feed in group:
-                k = len(set(feed.want))
-                rows = logits[at : at + k]
-                at += k
-                order = sorted(set(feed.want))
-                index = [order.index(p) for p in feed.want]
-                out.append(rows[index])
-                self.cached[feed.slot].extend(feed.ids)
-        return out
-
-    def _one_by_one(self, feed: Feed) -> torch.Tensor:
-        """A feed as one ``llama_decode`` per id."""
+    def _apart(self, feed: Feed) -> torch.Tensor:
+        """A feed as decodes of its own, one per block it touches."""
         wanted = set(feed.want)
         rows: dict[int, torch.Tensor] = {}
-        for i, token in enumerate(feed.ids):
-            position = feed.start + i
-            logits = self.model.decode([(token, position, feed.slot, position in wanted)])
-            self.cached[feed.slot].append(token)
-            if position in wanted:
-                rows[position] = logits[0]
+        end = feed.start + len(feed.ids)
+        for start, stop in blocks(feed.start, end, self.block):
+            entries = [
+                (feed.ids[p - feed.start], p, feed.slot, p in wanted) for p in range(start, stop)
+            ]
+            logits = self.model.decode(entries)
+            read = [p for p in range(start, stop) if p in wanted]
+            rows.update(zip(read, logits, strict=True))
+            self.cached[feed.slot].extend(feed.ids[start - feed.start : stop - feed.start])
+            if start == self.canonical[feed.slot] and stop - start == self.block:
+                self.canonical[feed.slot] = stop
+        if not feed.want:
+            return torch.empty((0, self.model.n_vocab), dtype=torch.float32)
         return torch.stack([rows[p] for p in feed.want])
+
+    def _together(self, feeds: Sequence[Feed]) -> list[torch.Tensor]:
+        """Every feed in one ``llama_decode`` (cut in ``n_batch`` chunks)."""
+        entries = [
+            (token, feed.start + i, feed.slot, feed.start + i in wanted)
+            for feed in feeds
+            for wanted in [set(feed.want)]
+            for i, token in enumerate(feed.ids)
+        ]
+        logits = self.model.decode(entries)
+        out: list[torch.Tensor] = []
+        at = 0
+        for feed in feeds:
+            order = sorted(set(feed.want))
+            rows = logits[at : at + len(order)]
+            at += len(order)
+            out.append(rows[[order.index(p) for p in feed.want]])
+            self.cached[feed.slot].extend(feed.ids)
+        return out
