@@ -2,7 +2,8 @@
 """Whole evaluation runs, side by side: lm-eval's ``hf`` on the drafter alone, ``safe-ensemble``
 with the drafter alone, and the ensemble, through ``lm_eval.simple_evaluate`` in one process.
 With ``--engine vllm`` the members run on vLLM, beside lm-eval's own ``vllm`` backend on the
-drafter alone and the same ensemble on transformers (``ensemble_hf``).
+drafter alone and the same ensemble on transformers (``ensemble_hf``); with ``--engine
+llama_cpp`` they run on llama.cpp, beside the same ensemble on transformers.
 
 Why this benchmark: a user judges the backend by what a whole ``lm_eval`` run costs next to
 lm-eval's own ``hf`` backend on one model, with real task prompts (few-shot exemplars, chat
@@ -24,6 +25,10 @@ Example (BBH, 3 subtasks x 6 questions sharing 3-shot exemplars, batch 8)::
 On vLLM (an environment from ``bash scripts/setup.sh --vllm``), batch ``auto``::
 
     .venv-vllm/bin/python scripts/bench_eval.py --engine vllm --limit 8 --batch-size auto
+
+On llama.cpp (``bash scripts/setup.sh --llama-cpp``)::
+
+    .venv/bin/python scripts/bench_eval.py --engine llama_cpp --limit 8 --batch-size auto
 """
 
 from __future__ import annotations
@@ -45,18 +50,11 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from lm_eval_safe.bench.output import fmt, write_json_report  # noqa: E402
+from lm_eval_safe.bench.output import write_json_report  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-#: Every run a report may hold, in the order of the first round.
-RUNS = ("hf", "vllm", "alone", "ensemble", "ensemble_hf")
-LABELS = {
-    "hf": "lm-eval hf, drafter alone",
-    "vllm": "lm-eval vllm, drafter alone",
-    "alone": "safe-ensemble, drafter alone",
-    "ensemble": "safe-ensemble, ensemble",
-    "ensemble_hf": "safe-ensemble, ensemble on transformers",
-}
+from lm_eval_safe.bench.eval_report import RUNS, markdown  # noqa: E402
+
 DEFAULT_TASKS = (
     "safe_bbh_date_understanding,safe_bbh_logical_deduction_three_objects,safe_bbh_navigate"
 )
@@ -71,12 +69,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tasks", default=DEFAULT_TASKS, help="comma list of task names")
     p.add_argument("--limit", type=int, default=6, help="documents per task")
     p.add_argument("--batch-size", default="8", help="an integer or auto")
-    p.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="the members' engine")
+    p.add_argument("--engine", choices=("hf", "vllm", "llama_cpp"), default="hf", help="the members' engine")
     p.add_argument(
         "--vllm-args",
         default="enforce_eager=true,kv_cache_memory_bytes=1073741824",
         help="model_args of every vLLM run (safe-ensemble's and lm-eval's vllm)",
     )
+    p.add_argument("--llama-cpp-args", default="", help="model_args of every llama.cpp run")
     p.add_argument("--max-gen-toks", type=int, default=96)
     p.add_argument("--repeats", type=int, default=1, help="rounds; order reverses every round")
     p.add_argument(
@@ -91,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--skip",
         default="",
-        help="comma list of runs to skip: hf, alone, ensemble (and with --engine vllm: vllm, ensemble_hf)",
+        help="comma list of runs to skip: hf, alone, ensemble, ensemble_hf (and with --engine vllm: vllm)",
     )
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--markdown", default=None, help="write a markdown table here")
@@ -140,17 +139,29 @@ class Bench:
     verifiers: list[str]
     task_manager: Any
     batch: int | str
-    vllm: bool  # --engine vllm
+    engine: str  # --engine
     models: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def vllm(self) -> bool:
+        return self.engine == "vllm"
+
+    @property
+    def engine_args(self) -> str:
+        """The model_args that put a safe-ensemble run on ``--engine``."""
+        extra = {"hf": "", "vllm": self.args.vllm_args, "llama_cpp": self.args.llama_cpp_args}[self.engine]
+        if self.engine == "hf":
+            return ""
+        return ",".join(a for a in (f"engine={self.engine}", extra) if a)
 
 
 def load_safe_models(bench: Bench, skip: set[str]) -> None:
-    """The ``safe-ensemble`` runs: the drafter alone, the ensemble, and with ``--engine vllm``
-    the same ensemble on transformers."""
+    """The ``safe-ensemble`` runs: the drafter alone, the ensemble, and on another engine than
+    transformers the same ensemble on transformers."""
     from lm_eval_safe.model import SafeEnsembleLM
 
     args, batch = bench.args, bench.batch
-    engine = f"engine=vllm,{args.vllm_args}" if bench.vllm else ""
+    engine = bench.engine_args
     alone_args = ",".join(a for a in (args.alone_args, engine) if a)
     ensemble_args = ",".join(a for a in (args.alone_args, args.ensemble_args) if a)
     members = [args.drafter, *bench.verifiers]
@@ -162,7 +173,7 @@ def load_safe_models(bench: Bench, skip: set[str]) -> None:
         bench.models["ensemble"] = SafeEnsembleLM.create_from_arg_string(
             model_args(members, ",".join(a for a in (ensemble_args, engine) if a), batch)
         )
-    if bench.vllm and "ensemble_hf" not in skip:
+    if bench.engine != "hf" and "ensemble_hf" not in skip:
         bench.models["ensemble_hf"] = SafeEnsembleLM.create_from_arg_string(
             model_args(members, ensemble_args, batch)
         )
@@ -305,6 +316,14 @@ def build_report(
             if bench.vllm
             else {}
         ),
+        **(
+            {
+                "ensemble_llama_cpp_over_ensemble_hf": ratio("ensemble", "ensemble_hf"),
+                "alone_llama_cpp_over_hf": ratio("alone", "hf"),
+            }
+            if bench.engine == "llama_cpp"
+            else {}
+        ),
         "scores": {name: scores(res) for name, res in rounds.outputs.items()},
         "safe_stats": rounds.stats,
     }
@@ -333,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         verifiers=[v for v in args.verifiers.split(",") if v],
         task_manager=task_manager,
         batch=args.batch_size if args.batch_size == "auto" else int(args.batch_size),
-        vllm=args.engine == "vllm",
+        engine=args.engine,
     )
     skip = {s for s in args.skip.split(",") if s}
     started = time.perf_counter()
@@ -355,44 +374,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         Path(args.markdown).write_text(markdown(report))
     return 0
-
-
-def markdown(report: dict[str, Any]) -> str:
-    lines = [
-        f"`{report['command']}`",
-        "",
-        f"{report['machine']}; tasks {', '.join(report['tasks'])}, {report['limit']} documents each, "
-        f"batch {report['batch_size']}, max_gen_toks {report['max_gen_toks']}; members {', '.join(report['members'])} "
-        f"({report['ensemble_args'] or 'defaults'})",
-        "",
-        f"| run | wall s (median) | vs lm-eval {'vllm' if report['wall_seconds'].get('vllm') else 'hf'} | vs safe-ensemble alone |",
-        "|---|---:|---:|---:|",
-    ]
-    walls = report["wall_seconds"]
-    base = "vllm" if walls.get("vllm") else "hf"
-    for name in RUNS:
-        if not walls.get(name):
-            continue
-        med = statistics.median(walls[name])
-        ref = statistics.median(walls[base]) if walls.get(base) else None
-        al = statistics.median(walls["alone"]) if walls.get("alone") else None
-        lines.append(f"| {LABELS[name]} | {med:.1f} | {fmt(med / ref if ref else None)} | {fmt(med / al if al else None)} |")
-    costs = [(name, report["safe_stats"][name]) for name in RUNS if name in report.get("safe_stats", {})]
-    if costs:
-        lines += [
-            "",
-            "| run | generated tokens | submitted tokens / token | computed prefill / token | engine calls / token |",
-            "|---|---:|---:|---:|---:|",
-        ]
-        lines += [
-            f"| {LABELS[name]} | {s['generated_tokens']} | {s['submitted_tokens_per_token']:.1f} "
-            f"| {s['computed_prefill_per_token']:.2f} | {s['engine_calls_per_token']:.3f} |"
-            for name, s in costs
-        ]
-    for key in ("alone_responses_equal_hf", "alone_responses_equal_lm_eval_vllm", "ensemble_responses_equal_ensemble_hf"):
-        if report.get(key):
-            lines += ["", f"{key.replace('_', ' ')}: {report[key][0]}/{report[key][1]}"]
-    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -9,13 +9,12 @@ them), so every decision is exact and the decoder never asks for :class:`Complet
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from lm_eval_safe.engines.base import Call, Complete, Draft, Drafted, EngineBatch, Forward
+from lm_eval_safe.engines.base import Complete, Draft, Drafted, EngineBatch, Forward
 from lm_eval_safe.engines.llama_cpp.slots import Feed
 
 
@@ -49,12 +48,11 @@ class LlamaCppBatch(EngineBatch):
         self.keep_rows([])
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # interpreter shutdown
+        # at interpreter shutdown the modules this needs may already be gone (even contextlib)
+        try:  # noqa: SIM105
             self.close()
-
-    def run(self, calls: dict[int, Call]) -> dict[int, Any]:
-        with self.engine.timed(len(calls)):
-            return super().run(calls)
+        except Exception:
+            pass
 
     def answer_completes(self, calls: dict[int, Complete]) -> dict[int, list[Any]]:
         raise RuntimeError("llama.cpp rows are full distributions: nothing to complete")

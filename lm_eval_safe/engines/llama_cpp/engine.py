@@ -28,10 +28,11 @@ class LlamaCppEngine(MemberEngine):
         self.settings = settings
 
     # -- rows --------------------------------------------------------------------------
-    @property
-    def vocab_size(self) -> int:
-        """The tokenizer's ids: a row holds these, whatever the width of the output layer."""
-        return len(self.member.tokenizer)
+    def bind(self, member: Any) -> None:
+        super().bind(member)
+        #: the tokenizer's ids: a row holds these, whatever the width of the output layer (kept:
+        #: a fast tokenizer counts them on every ``len``)
+        self.vocab_size = len(member.tokenizer)
 
     def vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """``[k, n_vocab]`` logits as ``[k, tokenizer ids]``: output columns past the tokenizer

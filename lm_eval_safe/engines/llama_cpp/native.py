@@ -9,7 +9,6 @@ one sequence per row.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 from dataclasses import dataclass
 from typing import Any
@@ -181,5 +180,8 @@ class Model:
             self.model = None
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # interpreter shutdown: the library may be gone
+        # at interpreter shutdown the modules this needs may already be gone (even contextlib)
+        try:  # noqa: SIM105
             self.close()
+        except Exception:
+            pass
