@@ -50,10 +50,27 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from lm_eval_safe.bench.eval_report import markdown  # noqa: E402
 from lm_eval_safe.bench.output import write_json_report  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-from lm_eval_safe.bench.eval_report import RUNS, markdown  # noqa: E402
+#: Every run a report may hold, in the order of the first round.
+RUNS = ("hf", "vllm", "alone", "ensemble", "ensemble_hf")
+LABELS = {
+    "hf": "lm-eval hf, drafter alone",
+    "vllm": "lm-eval vllm, drafter alone",
+    "alone": "safe-ensemble, drafter alone",
+    "ensemble": "safe-ensemble, ensemble",
+    "ensemble_hf": "safe-ensemble, ensemble on transformers",
+}
+
+
+def labels(report: dict[str, Any]) -> dict[str, str]:
+    """Every run's name in the tables; safe-ensemble's runs on another engine say which."""
+    engine = report["engine"]
+    on = {"alone", "ensemble"} if engine != "hf" else set()
+    return {name: f"{LABELS[name]} on {engine}" if name in on else LABELS[name] for name in RUNS}
+
 
 DEFAULT_TASKS = (
     "safe_bbh_date_understanding,safe_bbh_logical_deduction_three_objects,safe_bbh_navigate"
@@ -372,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_json_report(Path(args.json), report, trailing_newline=True)
     if args.markdown:
-        Path(args.markdown).write_text(markdown(report))
+        base = "vllm" if report["wall_seconds"].get("vllm") else "hf"
+        Path(args.markdown).write_text(markdown(report, labels(report), base))
     return 0
 
 
