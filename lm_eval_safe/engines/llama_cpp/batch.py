@@ -71,15 +71,24 @@ class LlamaCppBatch(EngineBatch):
         start = slots.prepare(state.slot, state.sequence, min(want), new=new)
         return Feed(state.slot, start, state.sequence[start:], want)
 
+    def _decode(self, asks: list[tuple[int, int, list[int], list[int]]]) -> list[torch.Tensor]:
+        """Each ``(row, keep, ids, want)``'s logits at ``want``. Rows decoded apart are fed one
+        after another, each made ready just before its decode, so a new row reuses the blocks a
+        row before it in the same step has just computed (rows sharing few-shot exemplars)."""
+        slots = self.engine.slots
+        if slots.batch_rows:
+            return slots.decode([self._feed(*ask) for ask in asks])
+        return [slots.decode([self._feed(*ask)])[0] for ask in asks]
+
     def answer_forwards(self, calls: dict[int, Forward]) -> dict[int, list[torch.Tensor]]:
-        feeds, order = [], []
+        asks, order = [], []
         for row, call in calls.items():
             want = [call.keep + w for w in call.want]
             # nothing read: the ids are fed all the same (the cache is kept)
             want_read = want or [call.keep + len(call.ids) - 1]
-            feeds.append(self._feed(row, call.keep, call.ids, want_read))
+            asks.append((row, call.keep, call.ids, want_read))
             order.append((row, bool(want)))
-        logits = self.engine.slots.decode(feeds)
+        logits = self._decode(asks)
         out: dict[int, list[torch.Tensor]] = {}
         for (row, any_wanted), rows in zip(order, logits, strict=True):
             out[row] = list(self.engine.log_softmax(rows)) if any_wanted else []
@@ -92,10 +101,7 @@ class LlamaCppBatch(EngineBatch):
             row: (call.keep, call.ids) for row, call in calls.items()
         }
         while steps:
-            feeds = []
-            for row, (keep, ids) in steps.items():
-                feeds.append(self._feed(row, keep, ids, [keep + len(ids) - 1]))
-            logits = engine.slots.decode(feeds)
+            logits = self._decode([(row, keep, ids, [keep + len(ids) - 1]) for row, (keep, ids) in steps.items()])
             following = {}
             for (row, (keep, ids)), rows in zip(steps.items(), logits, strict=True):
                 call, out = calls[row], drafted[row]
