@@ -134,6 +134,57 @@ def _draft(member: Any, prompts: list[list[int]], n: int, rows: bool = False) ->
     return [answers[r] for r in range(len(prompts))]
 
 
+#: Strings where tokenizers part ways: accents, CJK, emoji, runs of spaces and tabs, chat
+#: special tokens of both members, carriage returns, zero-width and no-break spaces. Not among
+#: them: a space before a numeric character outside ASCII (" ½"), which transformers' reading of
+#: SmolLM2's GGUF keeps in one piece and llama.cpp splits (docs/engines.md)
+HARD_TEXTS = (
+    "½ héllo wörld — 東京 🚀",
+    "  leading spaces\n\n\ttabs   and more",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n",
+    "x = [1,2,3]  # ünïcode\r\n\u200b\u00a0end",
+)
+
+
+@pytest.mark.real
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("alias", ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"])
+def test_tokenizer_kept_in_the_cache_tokenizes_as_llama_cpp(
+    alias: str, llama_cpp_installed: None, models: Path, tmp_path: Path
+) -> None:
+    """The tokenizer and config the engine keeps in the cache (written on a first load, read
+    on the next) are transformers' own reading of the GGUF file (what the other engines use):
+    the same ids (those of llama.cpp's own tokenizer on the same file), vocabulary, special ids,
+    chat template and config."""
+    from llama_cpp import Llama
+    from transformers import AutoConfig, AutoTokenizer
+
+    from lm_eval_safe.aliases import ALIASES
+    from lm_eval_safe.engines.llama_cpp.loading import text_folder, text_side
+
+    path = models / ALIASES[alias].file
+    direct = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    direct_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+    native = Llama(model_path=str(path), vocab_only=True, verbose=False)
+    for load in ("first", "again"):
+        tokenizer, config, _ = text_side(path, False, tmp_path)
+        assert (text_folder(path, tmp_path) / "tokenizer_config.json").is_file()
+        for text in HARD_TEXTS:
+            expected = native.tokenize(text.encode(), add_bos=False, special=True)
+            assert direct.encode(text, add_special_tokens=False) == expected, text
+            assert tokenizer.encode(text, add_special_tokens=False) == expected, (load, text)
+        assert tokenizer.get_vocab() == direct.get_vocab()
+        assert tokenizer.chat_template == direct.chat_template
+        assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (
+            direct.bos_token_id,
+            direct.eos_token_id,
+        )
+        assert tokenizer.eos_token_id == native.token_eos()
+        changed = {k for k, v in config.to_dict().items() if direct_config[k] != v}
+        assert changed == {"_name_or_path"}, load
+
+
 @pytest.mark.real
 @pytest.mark.llama_cpp
 def test_greedy_equals_llama_cpp_python(member: Any) -> None:

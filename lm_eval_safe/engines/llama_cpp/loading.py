@@ -1,12 +1,13 @@
 """Loading a member on llama.cpp: the GGUF file as it is (no conversion, no de-quantized copy),
 its tokenizer, config and stop ids read by transformers from the same file (the ids the other
-engines use)."""
+engines use) and kept in the cache."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from lm_eval_safe.disk_cache import cache_root
 from lm_eval_safe.engines.llama_cpp.options import DEFAULTS, threads
 from lm_eval_safe.errors import OptionError
 
@@ -23,21 +24,54 @@ def require_llama_cpp() -> None:
         raise OptionError(INSTALL_HINT)
 
 
-def text_side(path: Path, trust_remote_code: bool) -> tuple[Any, Any, Any]:
-    """Tokenizer, config and generation config of a GGUF file, read by transformers (as the
-    transformers engine reads them when it converts the file: the same ids and stop ids)."""
+#: Part of every text-side folder name; bump when what the folder holds changes
+TEXT_FORMAT = 1
+
+
+def text_folder(path: Path, root: Path) -> Path:
+    """One folder per GGUF file (its size and time of change) and transformers version: the
+    tokenizer and config files are written by the installed transformers, and another release
+    may read them differently."""
+    import hashlib
+
+    import transformers
+
+    stat = path.stat()
+    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|format={TEXT_FORMAT}"
+    identity += f"|transformers={transformers.__version__}"
+    return root / "gguf-text" / f"{path.stem}-{hashlib.sha1(identity.encode()).hexdigest()[:12]}"
+
+
+def text_side(path: Path, trust_remote_code: bool, root: Path) -> tuple[Any, Any, Any]:
+    """Tokenizer, config and generation config of a GGUF file, as the transformers engine has
+    them: read by transformers from the file once, saved under ``root`` and loaded from there
+    after. Reading them from the GGUF takes 5 to 30 s per member (transformers parses every
+    metadata field in Python, Gemma-3's 262k-token vocabulary included), far longer than
+    llama.cpp takes to load the weights; the saved files load in under a second."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(path.parent), gguf_file=path.name, trust_remote_code=trust_remote_code
-        )
-        config = AutoConfig.from_pretrained(
-            str(path.parent), gguf_file=path.name, trust_remote_code=trust_remote_code
-        )
-    except (ValueError, OSError, KeyError) as exc:
-        first = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise OptionError(f"transformers could not read the tokenizer of {path} ({first})") from exc
+    from lm_eval_safe.disk_cache import cached_folder
+
+    def save(tmp: Path) -> None:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(
+                str(path.parent), gguf_file=path.name, trust_remote_code=trust_remote_code
+            )
+            config = AutoConfig.from_pretrained(
+                str(path.parent), gguf_file=path.name, trust_remote_code=trust_remote_code
+            )
+        except (ValueError, OSError, KeyError) as exc:
+            first = (str(exc).splitlines() or [type(exc).__name__])[0]
+            raise OptionError(
+                f"transformers could not read the tokenizer of {path} ({first})"
+            ) from exc
+        tokenizer.save_pretrained(tmp)
+        config.save_pretrained(tmp)
+
+    folder = text_folder(path, root)
+    cached_folder(folder, save, f"tokenizer and config of {path.name}")
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
     return tokenizer, config, GenerationConfig.from_model_config(config)
 
 
@@ -70,7 +104,9 @@ def load_gguf(
             f"member {source.spec!r}: engine=llama_cpp loads GGUF files (an alias or a .gguf file)"
         )
     path = Path(source.location)
-    tokenizer, config, generation_config = text_side(path, load.trust_remote_code)
+    tokenizer, config, generation_config = text_side(
+        path, load.trust_remote_code, cache_root(load.cache_dir)
+    )
     settings = ContextSettings(n_ctx, n_batch, n_seq_max, threads(n_threads), flash_attn, use_extra_bufts)
     model = Model(str(path), n_gpu_layers, settings)
     shown = {
