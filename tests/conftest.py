@@ -302,3 +302,15 @@ def real_loaded(real_models_dir: Path) -> Loaded:
         out[alias] = (tok, TokenVocabulary.for_tokenizer(tok))
         print(f"{alias}: tokenizer + vocabulary in {time.perf_counter() - start:.1f}s")
     return out
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_installed() -> None:
+    """Skips without llama-cpp-python, unless ``LM_EVAL_SAFE_REQUIRE_LLAMA_CPP=1`` (CI), where its
+    absence fails."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        if os.environ.get("LM_EVAL_SAFE_REQUIRE_LLAMA_CPP", "0") == "1":
+            pytest.fail("LM_EVAL_SAFE_REQUIRE_LLAMA_CPP=1 but llama-cpp-python is not installed")
+        pytest.skip("llama-cpp-python is not installed (bash scripts/setup.sh --llama-cpp)")

@@ -10,8 +10,6 @@ Needs llama-cpp-python (``bash scripts/setup.sh --llama-cpp``; skipped without i
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from pathlib import Path
 from typing import Any
 
@@ -66,14 +64,6 @@ def test_options_are_checked() -> None:
 
 
 # -- real members ---------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def llama_cpp_installed() -> None:
-    if importlib.util.find_spec("llama_cpp") is None:
-        if os.environ.get("LM_EVAL_SAFE_REQUIRE_LLAMA_CPP", "0") == "1":
-            pytest.fail("LM_EVAL_SAFE_REQUIRE_LLAMA_CPP=1 but llama-cpp-python is not installed")
-        pytest.skip("llama-cpp-python is not installed (bash scripts/setup.sh --llama-cpp)")
-
-
 def _member(alias: str, **settings: Any) -> Any:
     from lm_eval_safe.engines import load_member
 

@@ -122,11 +122,20 @@ def test_trace_needs_a_folder(tiny_bpe_dir: Path, tiny_sp_dir: Path, monkeypatch
 
 
 @pytest.mark.real
+@pytest.mark.parametrize("engine", ["hf", pytest.param("llama_cpp", marks=pytest.mark.llama_cpp)])
 def test_real_pair_on_bbh_traces_every_point_and_keeps_its_texts(
-    real_models_dir: Path, shared_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    engine: str,
+    real_models_dir: Path,
+    shared_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
 ) -> None:
-    """The default members on a few BBH questions through lm-eval, traced and not: the same
-    responses, and every ensemble point that safe_stats counts is in the traces once."""
+    """The default members on a few BBH questions through lm-eval, traced and not, on each
+    engine: the same responses, and every ensemble point that safe_stats counts is in the traces
+    once."""
+    if engine == "llama_cpp":
+        request.getfixturevalue("llama_cpp_installed")
     import lm_eval
     from lm_eval.loggers import EvaluationTracker
     from lm_eval.tasks import TaskManager
@@ -140,7 +149,7 @@ def test_real_pair_on_bbh_traces_every_point_and_keeps_its_texts(
         tracker = EvaluationTracker(output_path=str(tmp_path / f"trace-{trace}"))
         results = lm_eval.simple_evaluate(
             model="safe-ensemble",
-            model_args=f"members=smollm2-135m,gemma3-270m,trace={str(trace).lower()}",
+            model_args=f"members=smollm2-135m,gemma3-270m,engine={engine},trace={str(trace).lower()}",
             tasks=["safe_bbh_navigate"],
             task_manager=manager,
             limit=3,
