@@ -246,6 +246,27 @@ def test_rows_together_equal_each_alone(member: Any) -> None:
 
 @pytest.mark.real
 @pytest.mark.llama_cpp
+def test_batch_rows_computes_shared_exemplars_once(member: Any) -> None:
+    """``batch_rows=true``: four new rows sharing few-shot exemplars in one step compute them
+    once (each later row reads the earlier rows' cells), and each row's first distribution is
+    its own prompt's: within the rounding of batched kernels of the same prompt alone (up to
+    1.3 here; Gemma-3's first token may differ), further from every other prompt's."""
+    rows_member = _member(member.name, batch_rows=True)
+    prompts = [_ids(member, EXEMPLARS + text) for text in PROMPTS]
+    shared = max(n for n in range(min(map(len, prompts)) + 1) if len({tuple(p[:n]) for p in prompts}) == 1)
+    together = _draft(rows_member, prompts, 1, rows=True)
+    assert rows_member.engine.slots.reused >= 3 * (shared - 1)
+    alone = []
+    for ids in prompts:
+        member.engine.forget_prefixes()
+        alone.extend(_draft(member, [ids], 1, rows=True))
+    for r, row in enumerate(together):
+        gaps = [float((row.rows[0] - other.rows[0]).abs().max()) for other in alone]
+        assert gaps[r] < 2.5 < min(g for o, g in enumerate(gaps) if o != r), (r, gaps)
+
+
+@pytest.mark.real
+@pytest.mark.llama_cpp
 def test_rollback_prefix_copy_and_windows_equal_a_fresh_recompute(member: Any) -> None:
     """A row rolled back after a draft and then read in a verifier window equals a fresh
     llama.cpp context fed the same ids in the same decodes; a second row whose prompt's whole

@@ -74,11 +74,22 @@ class LlamaCppBatch(EngineBatch):
     def _decode(self, asks: list[tuple[int, int, list[int], list[int]]]) -> list[torch.Tensor]:
         """Each ``(row, keep, ids, want)``'s logits at ``want``. Rows decoded apart are fed one
         after another, each made ready just before its decode, so a new row reuses the blocks a
-        row before it in the same step has just computed (rows sharing few-shot exemplars)."""
+        row before it in the same step has just computed (rows sharing few-shot exemplars).
+        With ``batch_rows`` the rows' steps go in one decode, but a new row's prompt still goes
+        on its own first: in one decode, 8 rows sharing 3-shot exemplars would each compute
+        them."""
         slots = self.engine.slots
-        if slots.batch_rows:
-            return slots.decode([self._feed(*ask) for ask in asks])
-        return [slots.decode([self._feed(*ask)])[0] for ask in asks]
+        if not slots.batch_rows:
+            return [slots.decode([self._feed(*ask)])[0] for ask in asks]
+        out = {
+            i: slots.decode([self._feed(*ask)])[0]
+            for i, ask in enumerate(asks)
+            if self.rows[ask[0]].slot is None
+        }
+        rest = [i for i in range(len(asks)) if i not in out]
+        if rest:
+            out.update(zip(rest, slots.decode([self._feed(*asks[i]) for i in rest]), strict=True))
+        return [out[i] for i in range(len(asks))]
 
     def answer_forwards(self, calls: dict[int, Forward]) -> dict[int, list[torch.Tensor]]:
         asks, order = [], []
