@@ -80,6 +80,21 @@ def test_runs_are_read_back_as_lm_eval_wrote_them(folders: dict[str, Path]) -> N
         assert sample.correct == (row["exact_match"] >= 0.5)
 
 
+def test_the_same_runs_on_another_engine_are_named_apart(folders: dict[str, Path], tmp_path: Path) -> None:
+    """A run whose members name another engine (as a run with engine=llama_cpp writes them) is
+    another configuration, not a second run of the first one."""
+    other = tmp_path / "pair_llama_cpp"
+    shutil.copytree(folders["pair"], other)
+    for path in other.rglob("results_*.json"):
+        results = json.loads(path.read_text())
+        for member in results["config"]["members"]:
+            member["engine"] = "llama_cpp"
+        path.write_text(json.dumps(results))
+    first, second = sorted(read_runs([folders["pair"], other]), key=lambda r: len(r.config))
+    assert second.config == first.config + " on llama_cpp"
+    assert " on " not in first.config
+
+
 def test_report_in_a_real_browser(folders: dict[str, Path], tmp_path: Path) -> None:
     binary = find_chromium()
     if binary is None:

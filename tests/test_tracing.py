@@ -174,3 +174,12 @@ def test_real_pair_on_bbh_traces_every_point_and_keeps_its_texts(
     assert sum(t["counts"]["consensus_skips"] for t in traces) == stats["consensus_skips"]
     for t in traces:
         assert t["text"] == texts[True][t["doc_id"]]
+    # the report reads the run back, named by its engine beside the same run on transformers
+    from lm_eval_safe.leaderboard.html_report import write_report
+    from lm_eval_safe.leaderboard.runs import read_runs
+
+    (run,) = read_runs([tmp_path / "trace-True"])
+    assert run.config.endswith(" on llama_cpp") == (engine == "llama_cpp")
+    assert run.traced and sorted(run.samples["safe_bbh_navigate"]) == [0, 1, 2]
+    page = write_report([tmp_path / "trace-True"], tmp_path / "report.html").read_text()
+    assert run.config in page

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lm_eval_safe.engines.registry import DEFAULT_ENGINE
 from lm_eval_safe.leaderboard.configs import ALONE_PREFIX, ENSEMBLE_CONFIGS
 from lm_eval_safe.leaderboard.result_cache import Outcome, pick_metric, sample_count
 from lm_eval_safe.model_args import member_display_name, parse_model_args
@@ -74,8 +75,13 @@ def _configuration(config: dict[str, Any], folder: Path) -> tuple[str, bool, lis
     if "members" not in config:
         raise RunsError(f"{folder}: its results carry no safe-ensemble model info (members, safe_stats)")
     members = [m["name"] for m in config["members"]]
+    # the same members and options on another engine are another run (other kernels, other
+    # texts): named apart, so one report can set engines side by side (runs written before
+    # members named their engine ran on transformers)
+    engines = sorted({m.get("engine", DEFAULT_ENGINE) for m in config["members"]})
+    on = "" if engines == [DEFAULT_ENGINE] else f" on {'+'.join(engines)}"
     if len(members) == 1:
-        return f"{ALONE_PREFIX}{members[0]}", True, members
+        return f"{ALONE_PREFIX}{members[0]}{on}", True, members
     options = config["safe_options"]
     wanted = {
         "schedule": options["schedule"],
@@ -89,7 +95,7 @@ def _configuration(config: dict[str, Any], folder: Path) -> tuple[str, bool, lis
             name = candidate
             break
     drafter = config.get("drafter", members[0])
-    return f"{name} ({'+'.join(members)}, {drafter} drafts)", False, members
+    return f"{name} ({'+'.join(members)}, {drafter} drafts){on}", False, members
 
 
 def _top_level_tasks(results: dict[str, Any]) -> list[str]:
