@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lm_eval_safe.disk_cache import cache_root
+from lm_eval_safe.disk_cache import cache_root, cached_folder
 from lm_eval_safe.engines.llama_cpp.options import DEFAULTS, threads
 from lm_eval_safe.errors import OptionError
 
@@ -49,8 +49,6 @@ def text_side(path: Path, trust_remote_code: bool, root: Path) -> tuple[Any, Any
     metadata field in Python, Gemma-3's 262k-token vocabulary included), far longer than
     llama.cpp takes to load the weights; the saved files load in under a second."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    from lm_eval_safe.disk_cache import cached_folder
 
     def save(tmp: Path) -> None:
         try:
