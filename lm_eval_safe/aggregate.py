@@ -200,16 +200,25 @@ def _gac_candidate_ids(views: list[View], union: UnionVocabulary, top_k: int) ->
     return candidate_ids
 
 
+def _geometric_choice(log_total: torch.Tensor, keys: Sequence[bytes], choice: Choice) -> Choice:
+    """Geometric sharpening's pick: the weighted geometric mean's most probable string (its
+    value unnormalised, as the argmax needs none). Where no string has a finite mean (the
+    members share none), the mean cannot rank anything and the mixture's choice stands."""
+    if not bool(torch.isfinite(log_total).any()):
+        return choice
+    best = int(torch.argmax(log_total))
+    return Choice(keys[best], math.exp(float(log_total[best])), True)
+
+
 def gac(views: list[View], union: UnionVocabulary, sharpen: str, lam: float, top_k: int) -> Choice:
-    """Average full distributions in the union vocabulary (GaC); geometric = weighted log-mean."""
+    """Average full distributions in the union vocabulary (GaC), sharpened when the mixture's
+    maximum is below 0.5: heuristic absorption, or the weighted geometric mean instead."""
     weights = normalised_weights(views)
-    if sharpen == "geometric":
-        total = _gac_log_geometric(views, weights, union.maps, len(union))
-        best = int(torch.argmax(total))
-        return Choice(union.keys[best], math.exp(float(total[best])), False)
     total = _gac_mixture(views, weights, union)
     best = int(torch.argmax(total))
     choice = Choice(union.keys[best], float(total[best]), False)
+    if sharpen == "geometric" and choice.probability < SHARPEN_THRESHOLD:
+        return _geometric_choice(_gac_log_geometric(views, weights, union.maps, len(union)), union.keys, choice)
     if sharpen == "heuristic" and choice.probability < SHARPEN_THRESHOLD:
         candidate_ids = _gac_candidate_ids(views, union, top_k)
         candidates = list(dict.fromkeys(union.keys[i] for i in candidate_ids))
@@ -255,18 +264,17 @@ def _unite_table(views: list[View], top_k: int) -> tuple[list[bytes], torch.Tens
 
 
 def unite(views: list[View], sharpen: str, lam: float, top_k: int) -> Choice:
-    """UniTE: softmax of each member over the union of top-k strings, then average."""
+    """UniTE: softmax of each member over the union of top-k strings, then average (sharpened
+    as :func:`gac` is)."""
     weights = normalised_weights(views)
     union_keys, member_logq = _unite_table(views, top_k)
     w = torch.tensor(weights, dtype=torch.float64).unsqueeze(1)
-    if sharpen == "geometric":
-        # a member of weight 0 takes no part (0 * -inf, a string it cannot spell, is NaN)
-        total = (w * member_logq)[weights_used(weights)].sum(0)
-        best = int(torch.argmax(total))
-        return Choice(union_keys[best], math.exp(float(total[best])), False)
     total = (w * member_logq.exp()).sum(0)
     best = int(torch.argmax(total))
     choice = Choice(union_keys[best], float(total[best]), False)
+    if sharpen == "geometric" and choice.probability < SHARPEN_THRESHOLD:
+        # a member of weight 0 takes no part (0 * -inf, a string it cannot spell, is NaN)
+        return _geometric_choice((w * member_logq)[weights_used(weights)].sum(0), union_keys, choice)
     if sharpen == "heuristic" and choice.probability < SHARPEN_THRESHOLD:
         scores = {k: float(p) for k, p in zip(union_keys, total.tolist(), strict=True)}
         sharpened = _sharpen(scores, _top_keys(views[0], top_k), union_keys, lam)
@@ -289,11 +297,15 @@ class StringDistribution:
     sharpened: bool = False
 
 
-def _normalised_log(total: torch.Tensor) -> torch.Tensor:
-    """``exp(total)`` normalised to sum 1 (a weighted geometric mean has less mass)."""
-    if not bool(torch.isfinite(total).any()):
-        return torch.zeros_like(total)
-    return torch.softmax(total, dim=-1)
+def _geometric_distribution(
+    log_total: torch.Tensor, keys: Sequence[bytes], mixture: torch.Tensor
+) -> StringDistribution:
+    """Geometric sharpening as a distribution: ``exp(log_total)`` normalised to sum 1 (a
+    weighted geometric mean has less mass); the mixture where no string has a finite mean, as
+    :func:`_geometric_choice` keeps the mixture's choice there."""
+    if not bool(torch.isfinite(log_total).any()):
+        return StringDistribution(keys, mixture)
+    return StringDistribution(keys, torch.softmax(log_total, dim=-1), True)
 
 
 def _absorb(
@@ -325,13 +337,13 @@ def gac_distribution(
     views: list[View], union: UnionVocabulary, sharpen: str, lam: float, top_k: int
 ) -> StringDistribution:
     """What :func:`gac` takes the argmax of, as a distribution over ``union.keys``: the weighted
-    mixture, its heuristic sharpening when the mixture's maximum is below 0.5, or the normalised
-    weighted geometric mean. Members with weight 0 take no part (``p ** 0 = 1``)."""
+    mixture, or when the mixture's maximum is below 0.5 its heuristic sharpening or the
+    normalised weighted geometric mean. Members with weight 0 take no part (``p ** 0 = 1``)."""
     weights = normalised_weights(views)
-    if sharpen == "geometric":
-        total = _gac_log_geometric(views, weights, union.maps, len(union))
-        return StringDistribution(union.keys, _normalised_log(total))
     total = _gac_mixture(views, weights, union)
+    if sharpen == "geometric" and float(total.max()) < SHARPEN_THRESHOLD:
+        log_total = _gac_log_geometric(views, weights, union.maps, len(union))
+        return _geometric_distribution(log_total, union.keys, total)
     if sharpen == "heuristic" and float(total.max()) < SHARPEN_THRESHOLD:
         candidate_ids = dict.fromkeys(_gac_candidate_ids(views, union, top_k))
         candidates = {union.keys[i]: i for i in candidate_ids}
@@ -353,9 +365,9 @@ def unite_distribution(
         return StringDistribution(union_keys, torch.zeros(len(union_keys), dtype=torch.float64))
     w = (weights[usable] / weights[usable].sum()).unsqueeze(1)
     logq = member_logq[usable]
-    if sharpen == "geometric":
-        return StringDistribution(union_keys, _normalised_log((w * logq).sum(0)))
     total = (w * logq.exp()).sum(0)
+    if sharpen == "geometric" and float(total.max()) < SHARPEN_THRESHOLD:
+        return _geometric_distribution((w * logq).sum(0), union_keys, total)
     if sharpen == "heuristic" and float(total.max()) < SHARPEN_THRESHOLD:
         candidates = {k: i for i, k in enumerate(union_keys)}
         total, changed = _absorb(total, candidates, _top_keys(views[0], top_k), lam)

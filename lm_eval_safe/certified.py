@@ -200,19 +200,19 @@ def _decide(
     unseen: tuple[float, float] = (0.0, -math.inf),
 ) -> Choice | None:
     """The aggregate's decision over ``keys`` from each member's intervals, as the exact
-    aggregators take it: the weighted geometric mean's argmax, or the mixture's argmax
-    sharpened when below 0.5. ``unseen``: bounds of any string outside ``keys`` (mixture, log)."""
-    if sharpen == "geometric":
-        used = weights_used(weights)  # as the exact rules: weight 0 takes no part
-        scores = {key: sum((per_member[m][key].log().scaled(weights[m]) for m in used), ZERO) for key in keys}
-        finite = {k: v for k, v in scores.items() if v.low > -math.inf}
-        rivals = [unseen[1], *(v.high for k, v in scores.items() if k not in finite)]
-        best = _unique_winner(finite, max(rivals))
-        return None if best is None else Choice(best, math.exp(scores[best].low), False)
+    aggregators take it: the mixture's argmax, sharpened when its maximum is below 0.5
+    (heuristically, or by the weighted geometric mean's argmax). ``unseen``: bounds of any
+    string outside ``keys`` (mixture, log)."""
     mixture = {
         key: sum((m[key].scaled(w) for m, w in zip(per_member, weights, strict=True)), ZERO)
         for key in keys
     }
+    if sharpen == "geometric":
+        smooth = _below_threshold(mixture, unseen[0])
+        if smooth is None:
+            return None
+        if smooth:
+            return _geometric(per_member, weights, keys, unseen[1])
     best = _unique_winner(mixture, unseen[0])
     if best is None:
         return None
@@ -226,6 +226,29 @@ def _decide(
         return choice
     scores = {key: mixture[key] for key in candidates if key in mixture}
     return _sharpened(choice, mixture[best], scores, drafter_top, candidates, lam)
+
+
+def _below_threshold(mixture: dict[bytes, Interval], unseen: float) -> bool | None:
+    """Whether the mixture's maximum is below 0.5 (the trigger of every sharpening), when the
+    bounds settle it: one string surely at 0.5 or more says no, every string (and any string
+    outside ``mixture``, at most ``unseen``) surely below says yes."""
+    if any(v.above(SHARPEN_THRESHOLD) for v in mixture.values()):
+        return False
+    if max([unseen, *(v.high for v in mixture.values())]) <= SHARPEN_THRESHOLD - MARGIN:
+        return True
+    return None
+
+
+def _geometric(
+    per_member: Sequence[dict[bytes, Interval]], weights: Sequence[float], keys: Sequence[bytes], unseen_log: float
+) -> Choice | None:
+    """The weighted geometric mean's argmax (geometric sharpening), when the bounds settle it."""
+    used = weights_used(weights)  # as the exact rules: weight 0 takes no part
+    scores = {key: sum((per_member[m][key].log().scaled(weights[m]) for m in used), ZERO) for key in keys}
+    finite = {k: v for k, v in scores.items() if v.low > -math.inf}
+    rivals = [unseen_log, *(v.high for k, v in scores.items() if k not in finite)]
+    best = _unique_winner(finite, max(rivals))
+    return None if best is None else Choice(best, math.exp(scores[best].low), True)
 
 
 def _heads(views: Sequence[View], weights: Sequence[float]) -> list[Head]:

@@ -23,7 +23,8 @@ logger = logging.getLogger("lm_eval_safe")
 
 #: Bump when cached responses of an unchanged configuration would no longer be reproduced (a
 #: decoding fix): the ``--use_cache`` table name changes and old entries are not returned.
-CACHE_NAMESPACE_FORMAT = 1
+#: 2: ``sharpen=geometric`` applies the geometric mean only where the mixture is below 0.5.
+CACHE_NAMESPACE_FORMAT = 2
 
 
 def cache_identity(options: SafeOptions, members: Sequence[Member], drafter: int) -> dict[str, Any]:

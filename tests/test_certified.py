@@ -181,11 +181,12 @@ def test_a_zero_weight_member_takes_no_part_in_the_geometric_mean(aggregator: st
     """``weights=1,0`` with ``sharpen=geometric``: the second member's log-probabilities count
     0 times, also for a string it has no id for (0 x log 0 is not a number: p ** 0 = 1).
 
-    By hand: A = {b: 0.5, \\xe6: 0.4, c: 0.1} with weight 1 decides alone; the weighted log-mean
-    is A's own distribution (UniTE's softmax over the union {b, \\xe6, c} is A's, as A spells all
-    three) and b wins with 0.5. B = {b: 0.3, c: 0.7} cannot spell the byte string \\xe6. The
-    decision from heads that know every id is the same."""
-    a = _byte_member({b"b": 0.5, b"\xe6": 0.4, b"c": 0.1}, 1.0)
+    By hand: A = {b: 0.45, \\xe6: 0.4, c: 0.15} with weight 1 decides alone; its mixture is
+    smooth (0.45 < 0.5), so the weighted log-mean decides, and it is A's own distribution
+    (UniTE's softmax over the union {b, \\xe6, c} is A's, as A spells all three): b wins with
+    0.45. B = {b: 0.3, c: 0.7} cannot spell the byte string \\xe6. The decision from heads
+    that know every id is the same."""
+    a = _byte_member({b"b": 0.45, b"\xe6": 0.4, b"c": 0.15}, 1.0)
     b = _byte_member({b"b": 0.3, b"c": 0.7}, 0.0)
     heads = [_head(v, v.logprobs.numel(), random.Random(0)) for v in (a, b)]
     if aggregator == "gac":
@@ -195,6 +196,6 @@ def test_a_zero_weight_member_takes_no_part_in_the_geometric_mean(aggregator: st
     else:
         exact = unite([a, b], "geometric", 0.1, 10)
         certified = certified_unite(heads, "geometric", 0.1, 10)
-    assert (exact.key, exact.sharpened) == (b"b", False)
-    assert exact.probability == pytest.approx(0.5, abs=1e-12)
+    assert (exact.key, exact.sharpened) == (b"b", True)
+    assert exact.probability == pytest.approx(0.45, abs=1e-12)
     assert certified is not None and certified.key == b"b"

@@ -90,14 +90,14 @@ def brute_force_ensemble(
     candidates: set[bytes] | None = None,
     lam: float = 0.1,
 ) -> dict[bytes, float]:
-    """P_ens as the README defines it, from plain dictionaries: the equal-weight mixture (or the
-    normalised geometric mean, or the heuristic sharpening moving each candidate's mass to the
-    shortest absorbing string it extends), restricted to strings the drafter can write."""
+    """P_ens as the README defines it, from plain dictionaries: the equal-weight mixture, or where
+    its maximum is below 0.5 its sharpening (the normalised geometric mean, or the heuristic
+    moving each candidate's mass to the shortest absorbing string it extends), restricted to
+    strings the drafter can write."""
     strings = set(drafter) | set(verifier)
-    if sharpen == "geometric":
+    mix = {s: 0.5 * drafter.get(s, 0.0) + 0.5 * verifier.get(s, 0.0) for s in strings}
+    if sharpen == "geometric" and max(mix.values()) < 0.5:
         mix = {s: math.sqrt(drafter.get(s, 0.0) * verifier.get(s, 0.0)) for s in strings}
-    else:
-        mix = {s: 0.5 * drafter.get(s, 0.0) + 0.5 * verifier.get(s, 0.0) for s in strings}
     if sharpen == "heuristic" and max(mix.values()) < 0.5:
         assert drafter_top is not None and candidates is not None
         absorbers = [
@@ -203,7 +203,7 @@ EXACTNESS_CASES = [
         "numbers über to 12 café 15 \\boxed{42} 12",
         {"temperature": 1.0},
     ),
-    ("geometric", "tiny_sp_dir", "12 while 15 or", {"temperature": 1.3}),
+    ("geometric", "tiny_sp_dir", "12 while 15 or", {"temperature": 2.0}),
 ]
 
 
@@ -255,7 +255,7 @@ def test_first_string_is_distributed_as_the_ensemble(
     expected = brute_force_ensemble(
         p_draft, p_verifier, sharpen, set(drafter.vocab.keys), top[0], set(top[0] + top[1]), lam
     )
-    if sharpen == "heuristic":
+    if sharpen != "none":
         plain = brute_force_ensemble(p_draft, p_verifier, "none", set(drafter.vocab.keys))
         moved = sum(abs(expected.get(s, 0) - plain.get(s, 0)) for s in set(expected) | set(plain))
         assert moved > 0.02, "the case must move mass, or it does not test sharpening"
