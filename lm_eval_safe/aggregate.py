@@ -47,6 +47,9 @@ class Choice:
     key: bytes
     probability: float
     sharpened: bool
+    #: the drafter's ids for ``key`` where the rule that chose it also says how to write it
+    #: (``reference=authors``); None: :meth:`~lm_eval_safe.ensembling.Ensembler.to_drafter_ids`
+    drafter_ids: list[int] | None = None
 
 
 class UnionVocabulary:

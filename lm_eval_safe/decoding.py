@@ -141,7 +141,9 @@ class SafeDecoder:
         Nothing is kept: :meth:`prompt_ids` encodes again when the job runs (memory stays flat
         however many jobs there are; encoding is cheap next to decoding)."""
         members = [self.drafter] + (self.verifiers if self.schedule.needs_verifiers else [])
-        for (context, *_), label in zip(jobs, labels, strict=True):
+        for job, label in zip(jobs, labels, strict=True):
+            context = job[0]
+            _check_sampling(self.options, GenerationJob(*job), label)
             for member in members:
                 try:
                     encoded_prompt(member, context)
@@ -231,6 +233,7 @@ class SafeDecoder:
             )
 
     def _start(self, job: GenerationJob) -> RequestState:
+        _check_sampling(self.options, job, "request")
         context, max_new_tokens, sampling = job.context, job.max_new_tokens, job.sampling
         sampler = None if sampling is None or sampling.greedy else RowSampler(sampling, job.seed)
         drafter = DrafterRun(
@@ -275,7 +278,7 @@ class SafeDecoder:
             cycle.drafter = state.drafter.drafted - drafted_before
             state.cycles.append(cycle)
             stats.cycles += 1
-            draft = Draft(state.generated_bytes, tokens, logprobs)
+            draft = Draft(state.generated_bytes, tokens, logprobs, state.generated)
             tokens = yield from self._settle(state, draft, cycle, ahead=budget - len(tokens))
             state.window.update()
             eos_at = next((i for i, t in enumerate(tokens) if t in drafter.eos_ids), None)
@@ -301,7 +304,8 @@ class SafeDecoder:
         stop = _find_stop(state.text, until)
         text = state.text if stop is None else state.text[:stop]
         if emit is not None and state.trace is not None:
-            emit(state.trace.record(text, counts(stats, TRACE_COUNTS), state.sampler is not None))
+            ids, sampled = state.generated[:max_new_tokens], state.sampler is not None
+            emit(state.trace.record(text, ids, counts(stats, TRACE_COUNTS), sampled))
         return text, stats
 
     def _settle(self, state: RequestState, draft: Draft, cycle: CycleForwards, ahead: int) -> Steps:
@@ -381,6 +385,12 @@ def _decide(ensembler: Ensembler, state: RequestState, views: list[View], drafte
         choice = ensembler.choose(views)
     assert choice is not None
     return choice, views, test
+
+
+def _check_sampling(options: SafeOptions, job: GenerationJob, label: str) -> None:
+    """The authors' code decodes greedily: ``reference=authors`` has no sampled rule."""
+    if options.reference == "authors" and job.sampling is not None and not job.sampling.greedy:
+        raise RequestError(f"{label}: reference=authors decodes greedily, as the authors' code; sample with reference=paper")
 
 
 def _find_stop(text: str, until: list[str]) -> int | None:

@@ -22,6 +22,7 @@ from lm_eval_safe.aggregate import (
     unite,
     unite_distribution,
 )
+from lm_eval_safe.authors_aggregate import AuthorsGac, authors_aggregator
 from lm_eval_safe.certified import as_head, certified_gac, certified_unite, short_heads
 from lm_eval_safe.disk_cache import cache_root
 from lm_eval_safe.engines.base import Complete, is_full
@@ -67,6 +68,13 @@ class Ensembler:
         self.verifiers = verifiers
         self.options = options
         self._union: UnionVocabulary | None = None
+        # reference=authors: the authors' code decides (two members, full distributions)
+        self.authors = None
+        if options.reference == "authors" and verifiers:
+            o = options
+            self.authors = authors_aggregator(
+                drafter, verifiers[0], o.aggregator, o.sharpen, o.sharpen_lambda, o.top_k
+            )
 
     @property
     def union(self) -> UnionVocabulary:
@@ -82,6 +90,8 @@ class Ensembler:
         engine heads (:mod:`lm_eval_safe.certified`): the same string, or None where the heads
         do not settle it (the caller then completes the views)."""
         o = self.options
+        if self.authors is not None:
+            return self.authors.choose(views) if all(is_full(v.logprobs) for v in views) else None
         if all(is_full(v.logprobs) for v in views):
             if o.aggregator == "gac":
                 return gac(views, self.union, o.sharpen, o.sharpen_lambda, o.top_k)
@@ -96,7 +106,7 @@ class Ensembler:
         (UniTE's top-k strings, and GaC's heuristic sharpening's): a greedy decision widens them
         (:func:`widen_views`) before it asks for the full distributions."""
         o = self.options
-        if o.aggregator == "gac" and o.sharpen != "heuristic":
+        if self.authors is not None or (o.aggregator == "gac" and o.sharpen != "heuristic"):
             return []
         return short_heads(views, o.top_k)
 
@@ -160,11 +170,21 @@ class Ensembler:
         if sampler is not None:
             views = [View(sampler.warp(v.logprobs), v.vocab, v.tokenizer, v.weight) for v in views]
         members = [top_candidates(v.vocab.keys, v.logprobs.exp()) for v in views]
+        if self.authors is not None:
+            return members, self._authors_candidates(views)
         if o.aggregator == "gac":
             target = gac_distribution(views, self.union, o.sharpen, o.sharpen_lambda, o.top_k)
         else:
             target = unite_distribution(views, o.sharpen, o.sharpen_lambda, o.top_k)
         return members, top_candidates(target.keys, target.probs)
+
+    def _authors_candidates(self, views: list[View]) -> list[Any]:
+        """The authors' scores at a point (their strings, sharpened where it decided), best first."""
+        if isinstance(self.authors, AuthorsGac):
+            scores, _ = self.authors.table(views)
+            return top_candidates([k.encode("utf-8") for k in self.authors.union.keys], scores)
+        order, scores, _, _ = self.authors.table(views)
+        return top_candidates([k.encode("utf-8") for k in order], scores)
 
     @cached_property
     def _union_sayable(self) -> torch.Tensor:
@@ -195,6 +215,8 @@ class Ensembler:
 
     def to_drafter_ids(self, choice: Choice, drafted: int) -> list[int]:
         """The chosen string as drafter ids (docs/algorithm.md, Aggregators): gac keeps all ids, unite the first."""
+        if choice.drafter_ids is not None:
+            return list(choice.drafter_ids)
         vocab = self.drafter.vocab
         route = self._route(choice.key)
         if route == _EOS:

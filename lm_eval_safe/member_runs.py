@@ -152,14 +152,22 @@ class VerifierRun:
         of the text only). Returns the ids and each token's end offset in ``text_bytes`` (None if
         the ids do not spell the text exactly: then no position of this text is aligned).
         """
+        ids = self.member.vocab.encode_text(self.member.tokenizer, text)
+        ends = self.member.vocab.token_ends(ids, text_bytes[: len(text.encode("utf-8"))])
+        wanted = {len(ids)} if want_offsets is None else self._indices_at(want_offsets, ends)
+        yield from self.feed_steps(ids, wanted)
+        return ids, ends
+
+    def feed_steps(self, ids: list[int], wanted: set[int]) -> Steps:
+        """Make ``pred`` hold the rows predicting ``ids[i]`` for each ``i`` in ``wanted`` (``ids``:
+        this verifier's tokenization of the generated text, however it was made), feeding
+        only what the cache lacks, in one forward."""
         if 0 not in self.pred:
             prompt = self.prompt_ids
             self.pred[0] = (yield Forward(self.slot, 0, prompt, [len(prompt) - 1]))[0]
             self.forwards += 1
-        ids = self.member.vocab.encode_text(self.member.tokenizer, text)
         if len(self.prompt_ids) + len(ids) > self.member.engine.sequence_limit:
             raise WindowExhausted(self.member.name)
-        ends = self.member.vocab.token_ends(ids, text_bytes[: len(text.encode("utf-8"))])
         keep = 0
         if self.reuse_cache:
             limit = min(len(ids), self.fed)
@@ -169,7 +177,6 @@ class VerifierRun:
         for stale in [i for i in self.pred if i > keep]:
             del self.pred[stale]
         self.gen_ids, self.fed = ids, keep
-        wanted = {len(ids)} if want_offsets is None else self._indices_at(want_offsets, ends)
         missing = sorted(i for i in wanted if i not in self.pred)
         if missing:
             start = min(keep, missing[0] - 1)  # pred[0] always exists
@@ -181,7 +188,6 @@ class VerifierRun:
             self.recomputed += len(feed)
             self.forwards += 1
             self.fed = missing[-1]
-        return ids, ends
 
     @staticmethod
     def _indices_at(offsets: set[int], ends: list[int] | None) -> set[int]:

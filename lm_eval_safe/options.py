@@ -22,6 +22,9 @@ SHARPENINGS = ("heuristic", "geometric", "none")
 LL_AGGREGATES = ("mean", "logmean")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 OVERLAP = ("auto", "on", "off")
+#: whose rules decide where they differ: this package's reading of the paper, or the authors'
+#: code (docs/algorithm.md, The authors' code)
+REFERENCES = ("paper", "authors")
 
 
 def parse_batch_size(value: Any) -> int | str:
@@ -65,6 +68,7 @@ class SafeOptions:
     sharpen: str = "heuristic"
     sharpen_lambda: float = 0.1
     top_k: int = 10
+    reference: str = "paper"  # or "authors": the SAFE authors' code, where it differs
     weights: list[float] | None = None
     draft_len: int | str = 5  # or "auto": adapts to how often drafted tokens are replaced
     threshold: float = 0.5
@@ -137,6 +141,7 @@ OUTPUT_OPTIONS: tuple[str, ...] = (
     "sharpen",
     "sharpen_lambda",
     "top_k",
+    "reference",
     "weights",
     "draft_len",
     "threshold",
@@ -198,6 +203,7 @@ def parse_options(raw: dict[str, Any]) -> SafeOptions:
         ("ll_aggregate", LL_AGGREGATES),
         ("dtype", DTYPES),
         ("overlap", OVERLAP),
+        ("reference", REFERENCES),
     ):
         if raw.get(key) is not None:
             setattr(opts, key, choice(raw[key], key, choices))
@@ -287,3 +293,25 @@ def _validate(opts: SafeOptions) -> None:
         resolve_drafter_index(opts.drafter, opts.members)
     if opts.trace_dir is not None and not opts.trace:
         raise OptionError("trace_dir= is where traces go: add trace=true to write them")
+    if opts.reference == "authors":
+        _check_authors_reference(opts)
+
+
+def _check_authors_reference(opts: SafeOptions) -> None:
+    """``reference=authors`` reproduces code that ensembles one drafter with one verifier,
+    equally weighted, under SAFE's schedule: anything else has no meaning there."""
+    if len(opts.members) != 2:
+        raise OptionError(
+            f"reference=authors reproduces the authors' code, which ensembles two members (a drafter "
+            f"and one verifier); got {len(opts.members)}: give two members or use reference=paper"
+        )
+    if opts.weights is not None and opts.weights[0] != opts.weights[1]:
+        raise OptionError(
+            "reference=authors weighs both members equally, as the authors' code does; drop "
+            "weights= or use reference=paper"
+        )
+    if opts.schedule != "safe":
+        raise OptionError(
+            f"reference=authors reproduces the authors' SAFE code: it needs schedule=safe (got "
+            f"schedule={opts.schedule}); use reference=paper for the baselines"
+        )

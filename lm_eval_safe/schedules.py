@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lm_eval_safe.aggregate import View
+from lm_eval_safe.authors_alignment import authors_agree, paired_positions, verifier_ids
 from lm_eval_safe.batch_driver import Steps
 from lm_eval_safe.certified import Interval, certified_consensus
 from lm_eval_safe.draft_window import DraftWindow
@@ -65,6 +66,7 @@ class Draft:
     committed: bytes
     tokens: list[int]
     logprobs: list[Row]  # full log-softmax tensors, or an engine's heads (TopLogprobs)
+    committed_ids: list[int]  # the drafter's ids of ``committed``
 
 
 @dataclass
@@ -293,6 +295,59 @@ class Safe(Aligned):
         self.gac_gate = gac_gate
 
 
+class AuthorsSafe(Schedule):
+    """SAFE as the authors' code finds its ensemble points (``reference=authors``;
+    :mod:`lm_eval_safe.authors_alignment`): verifier positions paired with drafted ones by
+    their stripped decoded prefixes, tested in the verifier's order; skipped when the verifier's
+    argmax is its own token or the two probabilities of the own tokens sum to 1 or more; with
+    GaC, also where the drafter is at least 0.5 sure. Two members, greedy only (the options and
+    the decoder refuse anything else). The last window is drafted whole, as their code drafts
+    it, so the verifier reads the same text at the end of the budget."""
+
+    name = "safe"
+
+    def __init__(self, drafter: Member, weights: list[float], gac_gate: bool):
+        super().__init__(drafter, weights)
+        self.gac_gate = gac_gate
+
+    def draft_size(self, window: DraftWindow, budget: int) -> int:
+        return window.size
+
+    def points(
+        self, draft: Draft, verifiers: list[VerifierRun], stats: GenerationStats, sampled: bool
+    ) -> Steps:
+        (verifier,) = verifiers
+        drafter_tokenizer, verifier_tokenizer = self.drafter.tokenizer, verifier.member.tokenizer
+        ids = verifier_ids(drafter_tokenizer, verifier_tokenizer, draft.committed_ids + draft.tokens)
+        pairs = [
+            (j, i)
+            for j, i in paired_positions(
+                drafter_tokenizer, verifier_tokenizer, draft.committed_ids, draft.tokens, ids, self.gac_gate
+            )
+            if not (self.gac_gate and row_max_probability(draft.logprobs[j]) >= GAC_GATE)
+        ]
+        if not pairs:
+            return [], len(draft.tokens)
+        yield from verifier.feed_steps(ids, {i for _, i in pairs})
+        for j, i in pairs:
+            stats.aligned_positions += 1
+            views = [self._drafter_view(draft.logprobs[j])]
+            views.append(View(verifier.pred[i], verifier.member.vocab, verifier_tokenizer, self.weights[1]))
+            if not all(is_full(v.logprobs) for v in views):
+                stats.full_decisions += 1
+                views = yield from complete_views(views)
+            drafter_row, verifier_row = (v.logprobs for v in views)
+            if authors_agree(
+                float(drafter_row[draft.tokens[j]].exp()),
+                float(verifier_row[ids[i]].exp()),
+                row_argmax(verifier_row) == ids[i],
+            ):
+                stats.consensus_skips += 1
+                continue
+            return [EnsemblePoint(j, views)], j + 1
+        return [], len(draft.tokens)
+
+
 def make_schedule(options: SafeOptions, drafter: Member, weights: list[float], verifiers: int) -> Schedule:
     """The options' schedule (the drafter alone when there is no verifier)."""
     if not verifiers or options.schedule == "drafter":
@@ -303,4 +358,6 @@ def make_schedule(options: SafeOptions, drafter: Member, weights: list[float], v
         return Threshold(drafter, weights, options.threshold)
     if options.schedule == "aligned":
         return Aligned(drafter, weights)
+    if options.reference == "authors":
+        return AuthorsSafe(drafter, weights, gac_gate=options.aggregator == "gac")
     return Safe(drafter, weights, gac_gate=options.aggregator == "gac")

@@ -105,11 +105,12 @@ class ResponseTrace:
             point["acceptance"] = acceptance
         self.points.append(point)
 
-    def record(self, text: str, counts: dict[str, Any], sampled: bool) -> dict[str, Any]:
+    def record(self, text: str, ids: list[int], counts: dict[str, Any], sampled: bool) -> dict[str, Any]:
         return {
             "members": self.members,
             "sampled": sampled,
             "text": text,
+            "ids": ids,
             "points": self.points,
             "counts": counts,
         }

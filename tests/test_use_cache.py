@@ -52,6 +52,7 @@ def test_cache_namespace_depends_on_exactly_the_output_options(
         "sharpen": "none",
         "sharpen_lambda": 0.2,
         "top_k": 5,
+        "reference": "authors",
         "weights": [2.0, 1.0],
         "draft_len": 3,
         "threshold": 0.3,
