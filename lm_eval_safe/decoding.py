@@ -143,7 +143,7 @@ class SafeDecoder:
         members = [self.drafter] + (self.verifiers if self.schedule.needs_verifiers else [])
         for job, label in zip(jobs, labels, strict=True):
             context = job[0]
-            _check_sampling(self.options, GenerationJob(*job), label)
+            check_sampling(self.options, GenerationJob(*job), label)
             for member in members:
                 try:
                     encoded_prompt(member, context)
@@ -233,7 +233,7 @@ class SafeDecoder:
             )
 
     def _start(self, job: GenerationJob) -> RequestState:
-        _check_sampling(self.options, job, "request")
+        check_sampling(self.options, job, "request")
         context, max_new_tokens, sampling = job.context, job.max_new_tokens, job.sampling
         sampler = None if sampling is None or sampling.greedy else RowSampler(sampling, job.seed)
         drafter = DrafterRun(
@@ -387,7 +387,7 @@ def _decide(ensembler: Ensembler, state: RequestState, views: list[View], drafte
     return choice, views, test
 
 
-def _check_sampling(options: SafeOptions, job: GenerationJob, label: str) -> None:
+def check_sampling(options: SafeOptions, job: GenerationJob, label: str) -> None:
     """The authors' code decodes greedily: ``reference=authors`` has no sampled rule."""
     if options.reference == "authors" and job.sampling is not None and not job.sampling.greedy:
         raise RequestError(f"{label}: reference=authors decodes greedily, as the authors' code; sample with reference=paper")

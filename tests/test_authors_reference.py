@@ -261,3 +261,33 @@ def test_batched_rows_get_their_texts_alone(request: pytest.FixtureRequest, aggr
 def test_use_cache_keeps_the_modes_apart(tiny_bpe_dir: Path, tiny_sp_dir: Path) -> None:
     paper = make_lm(tiny_bpe_dir, tiny_sp_dir)
     assert make_lm(tiny_bpe_dir, tiny_sp_dir, reference="authors").cache_namespace != paper.cache_namespace
+
+
+def test_the_server_answers_as_the_backend(tiny_bpe_dir: Path, tiny_sp_dir: Path, tmp_path: Path) -> None:
+    """``lm-eval-safe serve`` with ``reference=authors`` as a real process: concurrent clients
+    (rows joining and leaving one batch) each get the text the backend gives the request alone;
+    a sampled request is refused with the one-line reason as an OpenAI error."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from serve_helpers import ServerProcess, post
+
+    members = f"members={tiny_bpe_dir},{tiny_sp_dir},dtype=float64,reference=authors"
+    backend = make_lm(tiny_bpe_dir, tiny_sp_dir, dtype="float64", reference="authors")
+    prompts = random_prompts(12, seed=31)
+    budgets = [6 + (i * 5) % 13 for i in range(12)]
+    with ServerProcess(f"{members},batch_size=4", log_dir=tmp_path) as server:
+
+        def ask(i: int) -> str:
+            status, body = post(server.url + "/v1/completions", {"prompt": prompts[i], "max_tokens": budgets[i], "temperature": 0})
+            assert status == 200, body
+            return body["choices"][0]["text"]
+
+        with ThreadPoolExecutor(12) as pool:
+            served = list(pool.map(ask, range(12)))
+        status, body = post(server.url + "/v1/completions", {"prompt": prompts[0], "max_tokens": 4, "temperature": 0.8})
+    alone = [
+        backend.generate_until([gen_request(p, until=[], max_gen_toks=b)], disable_tqdm=True)[0]
+        for p, b in zip(prompts, budgets, strict=True)
+    ]
+    assert served == alone
+    assert status == 400 and "reference=authors decodes greedily" in body["error"]["message"]

@@ -277,3 +277,22 @@ def test_data_parallel_through_lm_evals_launcher(tmp_path: Path, tiny_bpe_vllm_d
     double = run_gsm8k_cli(torchrun(2), args, data, tmp_path / "two", timeout=900)
     assert sorted(double["resps"]) == list(range(5)) and double["resps"] == single["resps"]
     assert double["results"]["config"]["world_size"] == 2
+
+
+def test_reference_authors_gives_the_transformers_texts(pair) -> None:
+    """``reference=authors`` on vLLM members (which answer with heads: the mode asks for full
+    distributions at every aligned position) writes the transformers engine's texts, ensemble
+    points and counts, in batches of two."""
+    requests = [gen_request(p, until=[], max_gen_toks=20) for p in random_prompts(4, seed=41)]
+    out = []
+    try:
+        for lm in pair:
+            with_options(lm, reference="authors", batch_size=2)
+            texts = lm.generate_until(requests, disable_tqdm=True)
+            summary = lm.run_stats.summary()
+            out.append((texts, summary["ensemble_ops"], summary["aligned_positions"], summary["consensus_skips"]))
+    finally:  # the other tests of the module share these members
+        for lm in pair:
+            with_options(lm, reference=SafeOptions.reference)
+    assert out[0] == out[1]
+    assert out[0][1] > 0

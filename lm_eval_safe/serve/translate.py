@@ -18,8 +18,8 @@ import copy
 import secrets
 from dataclasses import dataclass
 
-from lm_eval_safe.decoding import GenerationJob, SafeDecoder
-from lm_eval_safe.errors import OptionError
+from lm_eval_safe.decoding import GenerationJob, SafeDecoder, check_sampling
+from lm_eval_safe.errors import OptionError, RequestError
 from lm_eval_safe.generation_requests import JobBuilder
 from lm_eval_safe.members import Member, chat_context
 from lm_eval_safe.sampling import parse_gen_kwargs
@@ -63,6 +63,7 @@ class Translator:
             [m for i, m in enumerate(self.members) if i != drafter_index] if needs_verifiers else []
         )
         self.jobs = JobBuilder(self.drafter, max_gen_toks, 0)
+        self.options = decoder.options
         self.chat_members = [m.name for m in self.members if m.has_chat_template]
 
     # -- endpoints ---------------------------------------------------------------------------
@@ -128,7 +129,8 @@ class Translator:
             settings = parse_gen_kwargs(gen_kwargs, budget)
             seed = secrets.randbits(63) if request.seed is None else request.seed
             job = self.jobs.job(context, settings, seed)
-        except OptionError as exc:
+            check_sampling(self.options, job, "temperature")
+        except (OptionError, RequestError) as exc:
             raise APIError(str(exc), param=_field_named(str(exc))) from None
         return Prepared(job, prompt_tokens)
 
