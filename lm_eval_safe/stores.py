@@ -82,7 +82,7 @@ _FORMS = {
 def file_sha256(path: Path, configured_cache: str | None = None) -> str:
     """The sha256 of a file's bytes, hashed once: the result is kept under the cache folder
     with the file's size and time of change, and reused while they stay the same (hashing runs
-    at 0.5-2 GB/s, seconds for a model of several GB)."""
+    at about 1 GB/s: seconds for a model of several GB, too long to repeat on every run)."""
     from lm_eval_safe.aliases import sha256_of
 
     real = path.resolve()
@@ -93,8 +93,8 @@ def file_sha256(path: Path, configured_cache: str | None = None) -> str:
         kept = json.loads(record.read_text())
         if {k: kept.get(k) for k in seen} == seen and isinstance(kept.get("sha256"), str):
             return kept["sha256"]
-    except (OSError, ValueError):
-        pass
+    except (OSError, ValueError, AttributeError):
+        pass  # no record yet, or not one this function wrote: hash again
     logger.info("hashing %s (%.1f GB) once, to know its content", real.name, stat.st_size / 1e9)
     digest = sha256_of([real])
     atomic_write_json(record, {**seen, "sha256": digest})
@@ -439,12 +439,19 @@ def lmstudio_file(spec: str, ref: str) -> Path:
 
 
 def lmstudio_listing() -> Iterator[tuple[str, Path]]:
-    """Every GGUF model in LM Studio's folder: (its member name, its file)."""
+    """Every GGUF model in LM Studio's folder: (its member name, its file); the name without
+    FILE for the file a folder gives without one."""
     root = lmstudio_dir()
-    for path in sorted(root.glob("*/*/**/*.gguf")):
-        relative = path.relative_to(root)
-        if is_model_file(path.name) and split_index(path.name) == 1:
-            yield f"lmstudio:{relative.as_posix()}", path
+    for folder in sorted(p for p in root.glob("*/*") if p.is_dir()):
+        repo = folder.relative_to(root).as_posix()
+        files = _relative_files(folder)
+        try:
+            default: str | None = pick_gguf(repo, files, None, repo)
+        except OptionError:
+            default = None
+        for name in files:
+            if is_model_file(name) and split_index(name) == 1:
+                yield (f"lmstudio:{repo}" if name == default else f"lmstudio:{repo}/{name}"), folder / name
 
 
 # -- what this machine holds -----------------------------------------------------------------------
