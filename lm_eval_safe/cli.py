@@ -66,7 +66,7 @@ def models(argv: list[str]) -> None:
         print("  ".join([*(cell.ljust(w) for cell, w in zip(row[:4], widths, strict=True)), row[4]]).rstrip())
     folders = store_folders()
     print(
-        f"\nlooked in: Ollama {folders['ollama']}, Hugging Face cache {folders['hf']}, "
+        f"\nlooked in: Ollama {folders['ollama']}, Hugging Face cache {folders['hub']}, "
         f"LM Studio {folders['lmstudio']}\n"
         'members of different TOKENIZER ensemble across tokenizers: --model_args "members=NAME,NAME"'
     )

@@ -21,7 +21,8 @@ from typing import Any
 from lm_eval_safe.aliases import ALIASES, resolve_alias
 from lm_eval_safe.errors import OptionError
 from lm_eval_safe.model_args import member_display_name
-from lm_eval_safe.stores import hub_offline, resolve_store
+from lm_eval_safe.stores import resolve_store
+from lm_eval_safe.stores.hub import hub_offline
 
 
 @dataclass(frozen=True)

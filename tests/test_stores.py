@@ -1,16 +1,12 @@
 """Members named as the stores people keep GGUF models in name them: ``ollama:NAME[:TAG]``,
-``hf:ORG/REPO[:QUANT]`` and ``lmstudio:PUBLISHER/REPO[/FILE]``, and ``lm-eval-safe models``.
-
-The stores are built here as their programs lay them out (an Ollama manifest and a blob named by
-its sha256, a hub cache snapshot behind ``refs/main`` whose files link to sha256-named blobs, an
-LM Studio folder), their files linked to small GGUF files written with the ``gguf`` package or,
-for the tests marked ``real``, to the real members' files. Each name loads the file it means:
-the same greedy text as the file given by path; bad stores fail in one line that says what to do.
+``hf:ORG/REPO[:QUANT]`` and ``lmstudio:PUBLISHER/REPO[/FILE]``, and ``lm-eval-safe models``,
+on stores built as their programs lay them out (tests/store_builders.py) from small GGUF files:
+each name resolves to the file it means, bad stores fail in one line that says what to do.
+The real members through each name: tests/test_stores_real.py.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -19,101 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from store_builders import hf_store, link, ollama_store, sha256, tiny_gguf
 
 from lm_eval_safe.errors import OptionError
 from lm_eval_safe.gguf_info import join_split, quant_tag, read_header, split_parts
 from lm_eval_safe.model_args import member_display_name
 from lm_eval_safe.sources import content_identity, resolve_source
-
-OLLAMA_MODEL = "application/vnd.ollama.image.model"
-
-
-# -- building stores ---------------------------------------------------------------------------
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def link(source: Path, target: Path) -> None:
-    """``target`` becomes ``source``'s bytes without a copy: a hard link where both lie on one
-    file system, else a symbolic link (the stores' resolvers follow either)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(source, target)
-    except OSError:
-        target.symlink_to(source.resolve())
-
-
-def tiny_gguf(path: Path, *, pre: str = "smollm", tokens: int = 7, split: int = 0) -> Path:
-    """A small valid GGUF (three float tensors, a gpt2-style vocabulary); ``split``: tensors per
-    part, the parts written as llama.cpp names them. Returns the (first) file."""
-    import numpy as np
-    from gguf import GGUFWriter
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    writer = GGUFWriter(path, "llama", split_max_tensors=split)
-    writer.add_name(path.stem)
-    writer.add_file_type(15)  # Q4_K_M, as llama.cpp numbers file types
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list([f"t{i}" for i in range(tokens)])
-    for i in range(3):
-        writer.add_tensor(f"blk.{i}.w", np.full((8,), i, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path.with_name(f"{path.stem}-00001-of-{(3 + split - 1) // split:05d}.gguf") if split else path
-
-
-def ollama_store(
-    root: Path,
-    name: str,
-    gguf: Path,
-    *,
-    tag: str = "latest",
-    namespace: str = "library",
-    layers: tuple[dict[str, Any], ...] = (),
-    digest: str | None = None,
-) -> Path:
-    """An Ollama model as ``ollama pull`` leaves it: the GGUF blob named by its sha256 (or by
-    ``digest``) and a manifest naming it beside a template layer; returns the manifest."""
-    digest = digest or sha256(gguf)
-    blob = root / "blobs" / f"sha256-{digest}"
-    if not blob.exists():
-        link(gguf, blob)
-    manifest = root / "manifests" / "registry.ollama.ai" / namespace / name / tag
-    manifest.parent.mkdir(parents=True, exist_ok=True)
-    body = {
-        "schemaVersion": 2,
-        "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
-        "config": {"mediaType": "application/vnd.docker.container.image.v1+json", "digest": "sha256:" + "0" * 64, "size": 2},
-        "layers": [
-            {"mediaType": OLLAMA_MODEL, "digest": f"sha256:{digest}", "size": gguf.stat().st_size},
-            {"mediaType": "application/vnd.ollama.image.template", "digest": "sha256:" + "1" * 64, "size": 10},
-            *layers,
-        ],
-    }
-    manifest.write_text(json.dumps(body))
-    return manifest
-
-
-def hf_store(cache: Path, repo: str, files: dict[str, Path], revision: str = "a" * 40) -> Path:
-    """A hub cache repository as huggingface_hub writes it: blobs named by their sha256, the
-    snapshot's files linking to them, ``refs/main`` naming the snapshot; returns the snapshot."""
-    folder = cache / f"models--{repo.replace('/', '--')}"
-    snapshot = folder / "snapshots" / revision
-    for relative, source in files.items():
-        blob = folder / "blobs" / sha256(source)
-        if not blob.exists():
-            link(source, blob)
-        target = snapshot / relative
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.symlink_to(os.path.relpath(blob, target.parent))
-    (folder / "refs").mkdir(exist_ok=True)
-    (folder / "refs" / "main").write_text(revision)
-    return snapshot
 
 
 @pytest.fixture
@@ -389,8 +296,8 @@ def test_models_lists_every_store(home: Path, own_cache: Path, tmp_path: Path, c
     stores = {name: (e["source"], e["size"], e["tokenizer"]) for name, e in listed.items() if e["source"] != "alias"}
     assert stores == {
         "ollama:smol:135m": ("ollama", smol.stat().st_size, "gpt2/smollm 5"),
-        "hf:org/Qwen-GGUF:Q4_K_M": ("hf", qwen.stat().st_size, "gpt2/qwen2 6"),
-        "hf:org/Qwen-GGUF:Q8_0": ("hf", smol.stat().st_size, "gpt2/smollm 5"),
+        "hf:org/Qwen-GGUF:Q4_K_M": ("hub", qwen.stat().st_size, "gpt2/qwen2 6"),
+        "hf:org/Qwen-GGUF:Q8_0": ("hub", smol.stat().st_size, "gpt2/smollm 5"),
         "lmstudio:pub/Qwen-GGUF": ("lmstudio", qwen.stat().st_size, "gpt2/qwen2 6"),
         "lmstudio:pub/Qwen-GGUF/smol-Q8_0.gguf": ("lmstudio", smol.stat().st_size, "gpt2/smollm 5"),
     }
@@ -425,172 +332,3 @@ def test_a_joined_split_holds_the_whole_files_tensors_and_metadata(tmp_path: Pat
         return fields, {t.name: t.data.tobytes() for t in reader.tensors}
 
     assert contents(tmp_path / "joined.gguf") == contents(whole)
-
-
-# -- the real members ------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def real_stores(tmp_path_factory: pytest.TempPathFactory, real_models_dir: Path) -> dict[str, Any]:
-    """SmolLM2 and Gemma-3 in each store (links to the fetched files, no copies), SmolLM2 also
-    split in two parts in a hub repository beside a vision projector."""
-    from lm_eval_safe.aliases import ALIASES
-
-    root = tmp_path_factory.mktemp("real-stores")
-    smol = real_models_dir / ALIASES["smollm2-135m"].file
-    gemma = real_models_dir / ALIASES["gemma3-270m"].file
-    ollama_store(root / "ollama", "smollm2", smol, tag="135m")
-    ollama_store(root / "ollama", "gemma3", gemma, tag="270m")
-    hf_store(root / "hub", "test/SmolLM2-135M-Instruct-GGUF", {"SmolLM2-135M-Instruct-Q4_1.gguf": smol})
-    parts = _split_in_two(smol, root / "split")
-    hf_store(root / "hub", "test/SmolLM2-split-GGUF", {
-        **{f"smollm2-Q4_1-{i:05d}-of-00002.gguf": p for i, p in enumerate(parts, 1)},
-        "mmproj-smollm2-f16.gguf": smol,
-    })  # fmt: skip
-    link(smol, root / "lmstudio" / "models" / "test" / "SmolLM2-GGUF" / "smollm2-135m-instruct-Q4_1.gguf")
-    link(gemma, root / "lmstudio" / "models" / "test" / "gemma-3-270m-GGUF" / "gemma-3-270m-Q4_K_M.gguf")
-    return {"root": root, "smol": smol, "gemma": gemma}
-
-
-def _split_in_two(source: Path, folder: Path) -> list[Path]:
-    """``source`` as llama.cpp's split files, written by the gguf package's own writer."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
-
-    reader = GGUFReader(source)
-    folder.mkdir(parents=True)
-    writer = GGUFWriter(folder / "smollm2-Q4_1.gguf", reader.fields["general.architecture"].contents(),
-                        split_max_tensors=len(reader.tensors) // 2 + 1)  # fmt: skip
-    for field in reader.fields.values():
-        if field.name == "general.architecture" or field.name.startswith("GGUF."):
-            continue
-        kind = field.types[0]
-        writer.add_key_value(field.name, field.contents(), kind, sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None)
-    for tensor in reader.tensors:
-        writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for tensor in reader.tensors:
-        writer.write_tensor_data(tensor.data)
-    writer.close()
-    return split_parts(folder / "smollm2-Q4_1-00001-of-00002.gguf")
-
-
-@pytest.fixture
-def in_stores(real_stores: dict[str, Any], models: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """The real stores as this machine's: Ollama's, the hub cache and LM Studio's folder."""
-    from lm_eval_safe.disk_cache import cache_root
-
-    root = real_stores["root"]
-    monkeypatch.setenv("LM_EVAL_SAFE_CACHE", str(cache_root()))  # the real cache, whatever HOME is
-    monkeypatch.setenv("OLLAMA_MODELS", str(root / "ollama"))
-    monkeypatch.setenv("HF_HUB_CACHE", str(root / "hub"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    home = root / "home"
-    home.mkdir(exist_ok=True)
-    (home / ".lmstudio-home-pointer").write_text(str(root / "lmstudio"))
-    monkeypatch.setenv("HOME", str(home))
-    return real_stores
-
-
-SMOL_NAMES = (
-    "ollama:smollm2:135m",
-    "hf:test/SmolLM2-135M-Instruct-GGUF",
-    "hf:test/SmolLM2-split-GGUF:q4_1",
-    "lmstudio:test/SmolLM2-GGUF",
-)
-PROMPT = "The capital of France is"
-
-
-def _greedy(spec: str, engine: str) -> str:
-    from helpers import gen_request, make_lm
-
-    lm = make_lm(spec, engine=engine)
-    (text,) = lm.generate_until([gen_request(PROMPT, until=["\n\n"], max_gen_toks=12)])
-    return text
-
-
-@pytest.mark.real
-@pytest.mark.llama_cpp
-def test_every_name_gives_the_files_greedy_text_on_llama_cpp(in_stores: dict[str, Any], llama_cpp_installed: None) -> None:
-    """Each store's name of SmolLM2 (a split one among them, whose parts llama.cpp finds beside
-    the first) loads the same bytes as the file by path: the same greedy text."""
-    reference = _greedy(str(in_stores["smol"]), "llama_cpp")
-    assert reference.strip()
-    assert {spec: _greedy(spec, "llama_cpp") for spec in SMOL_NAMES} == dict.fromkeys(SMOL_NAMES, reference)
-
-
-@pytest.mark.real
-def test_store_names_give_the_files_greedy_text_on_transformers(in_stores: dict[str, Any]) -> None:
-    """On the transformers engine too: an Ollama blob (a file without the .gguf suffix) and a
-    split model (joined for transformers, then de-quantized once into the cache)."""
-    reference = _greedy(str(in_stores["smol"]), "hf")
-    assert reference.strip()
-    specs = ("ollama:smollm2:135m", "hf:test/SmolLM2-split-GGUF:Q4_1")
-    assert {spec: _greedy(spec, "hf") for spec in specs} == dict.fromkeys(specs, reference)
-
-
-@pytest.mark.real
-@pytest.mark.llama_cpp
-def test_store_members_through_lm_eval_traces_report_and_use_cache(
-    in_stores: dict[str, Any], llama_cpp_installed: None, tmp_path: Path
-) -> None:
-    """SmolLM2 from Ollama and Gemma-3 from LM Studio, ensembled on llama.cpp through lm-eval:
-    the answers of the same files named as aliases; traced, read back by the report, and kept by
-    ``--use_cache`` in a table of their own, answered again from it."""
-    import sqlite3
-
-    from helpers import evaluate_gsm8k, write_apples_gsm8k
-    from lm_eval.loggers import EvaluationTracker
-
-    from lm_eval_safe.leaderboard.html_report import write_report
-    from lm_eval_safe.leaderboard.runs import read_runs
-
-    data = write_apples_gsm8k(tmp_path / "data", n=2)
-
-    def run(members: str, **kwargs: Any) -> dict:
-        return evaluate_gsm8k(data, f"members={members},engine=llama_cpp", gen_kwargs={"max_gen_toks": 16}, apply_chat_template=True,
-                              log_samples=True, bootstrap_iters=0, **kwargs)  # fmt: skip
-
-    def texts(results: dict) -> list[str]:
-        return [s["resps"][0][0] for s in sorted(results["samples"]["safe_gsm8k"], key=lambda s: s["doc_id"])]
-
-    aliases = run("smollm2-135m,gemma3-270m")
-    stored = "ollama:smollm2:135m,lmstudio:test/gemma-3-270m-GGUF"
-    tracker = EvaluationTracker(output_path=str(tmp_path / "out"))
-    cache = str(tmp_path / "requests")
-    traced = run(f"{stored},trace=true", use_cache=cache, evaluation_tracker=tracker)
-    assert texts(traced) == texts(aliases) and all(texts(aliases))
-    members = traced["config"]["safe_stats"]["engine_seconds_by_member"]
-    assert set(members) == {"smollm2-135m", "gemma-3-270m-GGUF"}
-    tracker.save_results_aggregated(results=traced, samples=traced["samples"])
-    tracker.save_results_samples(task_name="safe_gsm8k", samples=traced["samples"]["safe_gsm8k"])
-    (report_run,) = read_runs([tmp_path / "out"])
-    assert report_run.traced and "smollm2-135m" in report_run.config
-    assert report_run.config in write_report([tmp_path / "out"], tmp_path / "report.html").read_text()
-    again = run(f"{stored},trace=true", use_cache=cache)
-    assert again["config"]["safe_stats"]["requests"] == 0 and texts(again) == texts(aliases)
-    with sqlite3.connect(f"{cache}_rank0.db") as db:
-        tables = [name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type='table'") if name != "unnamed"]
-    assert len(tables) == 1 and tables[0].startswith("safe-ensemble-")
-
-
-@pytest.mark.real
-@pytest.mark.llama_cpp
-def test_store_members_behind_the_server(in_stores: dict[str, Any], llama_cpp_installed: None, tmp_path: Path) -> None:
-    """``lm-eval-safe serve`` with members named by their stores answers a chat as the same
-    files named as aliases answer it in-process."""
-    pytest.importorskip("fastapi")
-    from helpers import gen_request
-    from serve_helpers import ServerProcess, post
-
-    from lm_eval_safe.model import SafeEnsembleLM
-
-    messages = [{"role": "user", "content": "Tom has 3 apples and buys 5 more. How many apples does he have?"}]
-    with ServerProcess("members=ollama:smollm2:135m,lmstudio:test/gemma-3-270m-GGUF,engine=llama_cpp", log_dir=tmp_path) as server:
-        status, body = post(server.url + "/v1/chat/completions",
-                            {"model": "safe-ensemble", "messages": messages, "max_tokens": 16, "temperature": 0})  # fmt: skip
-    assert status == 200, body
-    lm = SafeEnsembleLM(members="smollm2-135m,gemma3-270m", engine="llama_cpp", device="cpu")
-    (expected,) = lm.generate_until([gen_request(lm.apply_chat_template(messages), until=[], max_gen_toks=16)], disable_tqdm=True)
-    assert body["choices"][0]["message"]["content"] == expected != ""
