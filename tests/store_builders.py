@@ -19,11 +19,14 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def link(source: Path, target: Path) -> None:
+def link(source: Path, target: Path, symbolic: bool = False) -> None:
     """``target`` becomes ``source``'s bytes without a copy: a hard link where both lie on one
-    file system, else a symbolic link (the stores' resolvers follow either)."""
+    file system (unless ``symbolic``), else a symbolic link (the stores' resolvers follow
+    either)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
+        if symbolic:
+            raise OSError("a symbolic link asked for")
         os.link(source, target)
     except OSError:
         target.symlink_to(source.resolve())
@@ -60,13 +63,14 @@ def ollama_store(
     namespace: str = "library",
     layers: tuple[dict[str, Any], ...] = (),
     digest: str | None = None,
+    symbolic: bool = False,
 ) -> Path:
     """An Ollama model as ``ollama pull`` leaves it: the GGUF blob named by its sha256 (or by
     ``digest``) and a manifest naming it beside a template layer; returns the manifest."""
     digest = digest or sha256(gguf)
     blob = root / "blobs" / f"sha256-{digest}"
     if not blob.exists():
-        link(gguf, blob)
+        link(gguf, blob, symbolic)
     manifest = root / "manifests" / "registry.ollama.ai" / namespace / name / tag
     manifest.parent.mkdir(parents=True, exist_ok=True)
     body = {

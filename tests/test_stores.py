@@ -253,11 +253,13 @@ def test_lmstudio_folder_with_several_files_asks_for_one(home: Path, own_cache: 
 
 def test_identity_is_the_files_content(home: Path, own_cache: Path, small: Path, tmp_path: Path) -> None:
     """``--use_cache`` keys a member by its file's sha256: one file under several names is one
-    identity, and ``latest`` moving to another blob is another."""
+    identity (an Ollama blob that is a symbolic link, an LM Studio file linking into the hub
+    cache's blobs), and ``latest`` moving to another blob is another."""
     root = home / ".ollama" / "models"
-    ollama_store(root, "tiny", small)
+    ollama_store(root, "tiny", small, symbolic=True)
     hf_store(tmp_path / "hub", "org/Tiny", {"tiny-Q4_K_M.gguf": small})
-    link(small, home / ".lmstudio" / "models" / "pub" / "Tiny" / "tiny-Q4_K_M.gguf")
+    blob = tmp_path / "hub" / "models--org--Tiny" / "blobs" / sha256(small)
+    link(blob, home / ".lmstudio" / "models" / "pub" / "Tiny" / "tiny-Q4_K_M.gguf", symbolic=True)
     identities = {json.dumps(content_identity(resolve_source(s))) for s in ("ollama:tiny", "hf:org/Tiny", "lmstudio:pub/Tiny")}
     assert identities == {json.dumps({"sha256": sha256(small)})}
     newer = tiny_gguf(tmp_path / "files" / "newer.gguf", tokens=11)
