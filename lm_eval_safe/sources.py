@@ -1,6 +1,8 @@
 """A member spec resolved, without loading anything: an alias of a small model shipped through
-PyPI, a path to a ``.gguf`` file, a local folder, or a hub id (:func:`resolve_source`), with
-what an engine's loader needs of it and the one-line errors that name the member.
+PyPI, a path to a ``.gguf`` file, a model in a store people keep GGUF files in (``ollama:``,
+``hf:``, ``lmstudio:``: :mod:`lm_eval_safe.stores`), a local folder, or a hub id
+(:func:`resolve_source`), with what an engine's loader needs of it and the one-line errors that
+name the member.
 
 Below every engine: each engine's loader takes the :class:`MemberSource` resolved here once
 (:func:`lm_eval_safe.engines.load_members` checks every GGUF file before the first member loads).
@@ -10,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from typing import Any
 from lm_eval_safe.aliases import ALIASES, resolve_alias
 from lm_eval_safe.errors import OptionError
 from lm_eval_safe.model_args import member_display_name
+from lm_eval_safe.stores import resolve_store
+from lm_eval_safe.stores.hub import hub_offline
 
 
 @dataclass(frozen=True)
@@ -30,9 +33,14 @@ class MemberSource:
     name: str
     kind: str  # "gguf" | "folder" | "hub"
     location: str
+    #: sha256 of each file of a store's GGUF (a split model's parts in order), its identity
+    sha256: tuple[str, ...] = ()
 
-    def describe(self) -> dict[str, str]:
-        return {"name": self.name, "spec": self.spec, "kind": self.kind, "location": self.location}
+    def describe(self) -> dict[str, Any]:
+        described: dict[str, Any] = {"name": self.name, "spec": self.spec, "kind": self.kind, "location": self.location}
+        if self.sha256:
+            described["sha256"] = self.sha256[0] if len(self.sha256) == 1 else list(self.sha256)
+        return described
 
 
 def resolve_source(spec: str, configured_cache: str | None = None) -> MemberSource:
@@ -41,6 +49,9 @@ def resolve_source(spec: str, configured_cache: str | None = None) -> MemberSour
     key = spec.strip().lower()
     if key in ALIASES:
         return MemberSource(spec, key, "gguf", str(resolve_alias(key, configured_cache)))
+    stored = resolve_store(spec, configured_cache)
+    if stored is not None:  # kept as the store names it: a split's parts are found beside it
+        return MemberSource(spec, name, "gguf", str(stored.path), stored.sha256)
     path = Path(spec).expanduser()
     if spec.endswith(".gguf"):
         if not path.is_file():
@@ -56,18 +67,23 @@ def resolve_source(spec: str, configured_cache: str | None = None) -> MemberSour
     if looks_like_hub:
         return MemberSource(spec, name, "hub", spec)
     raise OptionError(
-        f"unknown member {spec!r}: give a local folder, a .gguf file, a hub id (org/name) "
-        f"or an alias ({', '.join(sorted(a for a in ALIASES if '-' in a))})"
+        f"unknown member {spec!r}: give a local folder, a .gguf file, a hub id (org/name), "
+        f"ollama:NAME[:TAG], hf:ORG/REPO[:QUANT], lmstudio:PUBLISHER/REPO[/FILE] or an alias "
+        f"({', '.join(sorted(a for a in ALIASES if '-' in a))}); `lm-eval-safe models` lists them"
     )
 
 
 def content_identity(source: MemberSource, config: Any = None) -> dict[str, Any]:
-    """Identity of a member's weights without hashing gigabytes: an alias's pinned sha256; a
-    file's name, size and mtime; a folder's file names, sizes and mtimes; a hub id's resolved
-    commit (from the loaded ``config``, when transformers recorded it)."""
+    """Identity of a member's weights without hashing gigabytes on every run: an alias's pinned
+    sha256; a store's file's sha256 (hashed once, or the digest the store names it by), so a
+    name whose file changes (Ollama's ``latest``) is a new identity and the same file under two
+    names is one; a file's name, size and mtime; a folder's file names, sizes and mtimes; a hub
+    id's resolved commit (from the loaded ``config``, when transformers recorded it)."""
     alias = ALIASES.get(source.spec.strip().lower())
     if alias is not None:
         return {"alias": source.name, "sha256": alias.sha256}
+    if source.sha256:
+        return {"sha256": source.sha256[0] if len(source.sha256) == 1 else list(source.sha256)}
     path = Path(source.location)
     if source.kind == "gguf":
         stat = path.stat()
@@ -110,7 +126,7 @@ def loading_errors(source: MemberSource) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        if source.kind == "hub" and os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
+        if source.kind == "hub" and hub_offline():
             raise OptionError(
                 f"member {source.spec!r} is not in the local hub cache and the hub is offline "
                 "(HF_HUB_OFFLINE=1): download it once, or give a local folder or .gguf file"

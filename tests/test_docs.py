@@ -225,6 +225,10 @@ def check_lm_eval_safe(argv: list[str]) -> None:
         from lm_eval_safe import cli
 
         check_parses(lambda: cli.report(argv[1:]), "lm-eval-safe report", argv[1:])
+    elif argv[:1] == ["models"]:
+        from lm_eval_safe import cli
+
+        check_parses(lambda: cli.models(argv[1:]), "lm-eval-safe models", argv[1:])
     else:  # lm_eval with --model safe-ensemble unless given, and this project's tasks
         if not any(a == "--model" or a.startswith("--model=") for a in argv):
             argv = ["--model", "safe-ensemble", *argv]

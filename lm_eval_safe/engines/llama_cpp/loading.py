@@ -28,21 +28,29 @@ def require_llama_cpp() -> None:
 TEXT_FORMAT = 1
 
 
-def text_folder(path: Path, root: Path) -> Path:
-    """One folder per GGUF file (its size and time of change) and transformers version: the
-    tokenizer and config files are written by the installed transformers, and another release
-    may read them differently."""
+def text_folder(path: Path, root: Path, sha256: tuple[str, ...] = ()) -> Path:
+    """One folder per GGUF file (its size and time of change; a store's file, whose sha256 is
+    known: its content, so one file under several names shares it) and transformers version:
+    the tokenizer and config files are written by the installed transformers, and another
+    release may read them differently."""
     import hashlib
 
     import transformers
 
-    stat = path.stat()
-    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|format={TEXT_FORMAT}"
+    if sha256:
+        identity = f"sha256={','.join(sha256)}|format={TEXT_FORMAT}"
+        stem = f"sha256-{sha256[0][:16]}"
+    else:
+        stat = path.stat()
+        identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|format={TEXT_FORMAT}"
+        stem = path.stem
     identity += f"|transformers={transformers.__version__}"
-    return root / "gguf-text" / f"{path.stem}-{hashlib.sha1(identity.encode()).hexdigest()[:12]}"
+    return root / "gguf-text" / f"{stem}-{hashlib.sha1(identity.encode()).hexdigest()[:12]}"
 
 
-def text_side(path: Path, trust_remote_code: bool, root: Path) -> tuple[Any, Any, Any]:
+def text_side(
+    path: Path, trust_remote_code: bool, root: Path, sha256: tuple[str, ...] = ()
+) -> tuple[Any, Any, Any]:
     """Tokenizer, config and generation config of a GGUF file, as the transformers engine has
     them: read by transformers from the file once, saved under ``root`` and loaded from there
     after. Reading them from the GGUF takes 5 to 30 s per member (transformers parses every
@@ -66,7 +74,7 @@ def text_side(path: Path, trust_remote_code: bool, root: Path) -> tuple[Any, Any
         tokenizer.save_pretrained(tmp)
         config.save_pretrained(tmp)
 
-    folder = text_folder(path, root)
+    folder = text_folder(path, root, sha256)
     cached_folder(folder, save, f"tokenizer and config of {path.name}")
     tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
     config = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
@@ -99,11 +107,12 @@ def load_gguf(
     source = load.source
     if source.kind != "gguf":
         raise OptionError(
-            f"member {source.spec!r}: engine=llama_cpp loads GGUF files (an alias or a .gguf file)"
+            f"member {source.spec!r}: engine=llama_cpp loads GGUF files (an alias, a .gguf file, "
+            "or a GGUF model of Ollama, LM Studio or the Hugging Face cache: `lm-eval-safe models`)"
         )
     path = Path(source.location)
     tokenizer, config, generation_config = text_side(
-        path, load.trust_remote_code, cache_root(load.cache_dir)
+        path, load.trust_remote_code, cache_root(load.cache_dir), source.sha256
     )
     settings = ContextSettings(n_ctx, n_batch, n_seq_max, threads(n_threads), flash_attn, use_extra_bufts)
     model = Model(str(path), n_gpu_layers, settings)

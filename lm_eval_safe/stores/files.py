@@ -1,0 +1,97 @@
+"""What the stores share: a file's sha256, hashed once and checked against the digest a store
+names it by, and the choice of a GGUF file among a repository's by llama.cpp's rule."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from lm_eval_safe.disk_cache import atomic_write_json, cache_root
+from lm_eval_safe.errors import OptionError
+from lm_eval_safe.gguf_info import is_model_file, matches_quant, quant_tag, split_index, split_parts
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_QUANT = "Q4_K_M"  # llama.cpp's -hf default
+
+
+def file_sha256(path: Path, configured_cache: str | None = None) -> str:
+    """The sha256 of a file's bytes, hashed once: the result is kept under the cache folder
+    with the file's size and time of change, and reused while they stay the same (hashing runs
+    at about 1 GB/s: seconds for a model of several GB, too long to repeat on every run)."""
+    from lm_eval_safe.aliases import sha256_of
+
+    real = path.resolve()
+    stat = real.stat()
+    record = cache_root(configured_cache) / "sha256" / f"{hashlib.sha1(str(real).encode()).hexdigest()}.json"
+    seen = {"path": str(real), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    try:
+        kept = json.loads(record.read_text())
+        if {k: kept.get(k) for k in seen} == seen and isinstance(kept.get("sha256"), str):
+            return kept["sha256"]
+    except (OSError, ValueError, AttributeError):
+        pass  # no record yet, or not one this function wrote: hash again
+    logger.info("hashing %s (%.1f GB) once, to know its content", real.name, stat.st_size / 1e9)
+    digest = sha256_of([real])
+    atomic_write_json(record, {**seen, "sha256": digest})
+    return digest
+
+
+def checked_digest(spec: str, path: Path, expected: str, configured_cache: str | None) -> str:
+    """``expected`` (the digest a store names a file by), once the file's bytes are seen to
+    have it: a file damaged or replaced in the store fails here, not as odd answers later."""
+    found = file_sha256(path, configured_cache)
+    if found != expected.lower():
+        raise OptionError(
+            f"member {spec!r}: {path} is named by sha256 {expected[:12]}... but its bytes hash to "
+            f"{found[:12]}...; the file is damaged or was replaced: download the model again"
+        )
+    return found
+
+
+def named_sha256(spec: str, path: Path, configured_cache: str | None) -> str:
+    """The sha256 of a file in the Hugging Face cache or LM Studio's folder: a hub cache file
+    links to a blob named by its sha256 (checked once against it); others are hashed once."""
+    target = Path(os.readlink(path)).name if path.is_symlink() else ""
+    if len(target) == 64 and all(c in "0123456789abcdef" for c in target):
+        return checked_digest(spec, path, target, configured_cache)
+    return file_sha256(path, configured_cache)
+
+
+def pick_gguf(
+    spec: str, files: list[str], quant: str | None, where: str, name_of: Callable[[str], str]
+) -> str:
+    """The model file ``quant`` names among ``files`` (paths relative to the repository), by
+    llama.cpp's rule (the quantization followed by ``.`` or ``-`` in the name, any case); with
+    no ``quant``, the Q4_K_M file, else the only GGUF. A split model counts by its first part.
+    ``name_of``: the member name of a file, suggested when the choice is the user's."""
+    models = sorted(f for f in files if is_model_file(f) and split_index(f) == 1)
+    if not models:
+        raise OptionError(f"member {spec!r}: {where} holds no GGUF model file")
+    wanted = quant or DEFAULT_QUANT
+    found = [f for f in models if matches_quant(f, wanted)]
+    if found:
+        return found[0]
+    have = ", ".join(quant_tag(f) or Path(f).name for f in models)
+    if quant:
+        raise OptionError(f"member {spec!r}: {where} has no {quant} GGUF (it has: {have}); name one of those")
+    if len(models) == 1:
+        return models[0]
+    raise OptionError(
+        f"member {spec!r}: {where} has {len(models)} GGUF files and none is {DEFAULT_QUANT} "
+        f"(it has: {have}); name one, e.g. {name_of(models[0])}"
+    )
+
+
+def missing_parts(path: Path) -> list[Path]:
+    """The parts of a split model that are not beside its first."""
+    return [p for p in split_parts(path) if not p.is_file()]
+
+
+def relative_files(folder: Path) -> list[str]:
+    """Every file below ``folder``, as paths relative to it, sorted."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
