@@ -287,7 +287,7 @@ def test_reference_authors_gives_the_transformers_texts(pair) -> None:
     out = []
     try:
         for lm in pair:
-            with_options(lm, reference="authors", batch_size=2)
+            with_options(lm, reference="authors", schedule="safe", aggregator="unite", sharpen="heuristic", batch_size=2)
             texts = lm.generate_until(requests, disable_tqdm=True)
             summary = lm.run_stats.summary()
             out.append((texts, summary["ensemble_ops"], summary["aligned_positions"], summary["consensus_skips"]))
