@@ -133,3 +133,22 @@ def test_a_benchmark_refuses_a_member_whose_engine_has_no_instruments() -> None:
     member = SimpleNamespace(name="remote", engine=SimpleNamespace(kind="vllm"))
     with pytest.raises(RuntimeError, match="remote: the vllm engine has no benchmark instruments"):
         mask_eos([member])
+
+
+def test_an_engines_instruments_are_checked_against_the_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The transformers engine's instruments have every name of the protocol the benchmarks
+    read; an engine whose instruments lack some is refused naming them, before any is used."""
+    from types import SimpleNamespace
+
+    from lm_eval_safe import engines
+    from lm_eval_safe.engines.spec import missing_instruments
+
+    member = SimpleNamespace(name="tiny", engine=SimpleNamespace(kind="hf"))
+    tools = engines.instruments(member)
+    assert missing_instruments(tools) == []
+    partial = SimpleNamespace(**{name: getattr(tools, name) for name in ("mask_eos", "generate", "ForwardClock")})
+    monkeypatch.setattr(type(engines.engine("hf")), "instruments", lambda self: partial)
+    with pytest.raises(RuntimeError, match="the hf engine's benchmark instruments lack CACHE_MOVES, FunctionClock"):
+        engines.instruments(member)
+    with pytest.raises(RuntimeError, match="lack"):
+        mask_eos([member])
