@@ -107,9 +107,12 @@ def test_bench_speed_script_end_to_end(tiny_bpe_dir: Path, tiny_sp_dir: Path, tm
         "--members", f"{tiny_bpe_dir},{tiny_sp_dir}", "--data-dir", str(data), "--prompts", "2",
         "--max-new-tokens", "4", "--ignore-eos", "--device", "cpu",
         "--methods", "hf_generate,drafter,safe_gac,safe_unite,safe_unite_overlap,floor", "--json", str(out),
+        "--engine-args", "fast_small_linear=off",
     ]
     assert script.main(argv) == 0
     report = json.loads(out.read_text())
+    config = report["config"]  # the engine's settings, checked by its spec, the store off by default
+    assert (config["engine"], config["fast_small_linear"], config["prefix_cache_mb"]) == ("hf", "off", 0.0)
     assert set(report["methods"]) == {"hf_generate", "drafter", "safe_gac", "safe_unite", "safe_unite_overlap", "floor"}
     assert report["methods"]["safe_gac"]["tokens"] == 2 * 4
     # the latency model: measured inputs, and each decoder run priced from its own cycles
