@@ -59,8 +59,7 @@ from lm_eval_safe.engines.registry import DEFAULT_ENGINE, engine_names  # noqa: 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: Every run a report may hold, in the order of the first round.
 RUNS = ("hf", "vllm", "alone", "ensemble", "ensemble_hf")
-#: the engine lm-eval has a backend of its own for (its ``--model vllm``: lm-eval's name), run
-#: on the drafter alone beside safe-ensemble's runs on that engine
+#: the engine lm-eval has a backend of its own for (``--model vllm``), run on the drafter alone
 LM_EVAL_OWN_BACKEND = "vllm"
 LABELS = {
     "hf": "lm-eval hf, drafter alone",
@@ -94,13 +93,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", default="8", help="an integer or auto")
     p.add_argument("--engine", choices=engine_names(), default=DEFAULT_ENGINE, help="the members' engine")
     p.add_argument(
-        "--engine-args",
-        "--vllm-args",
-        "--llama-cpp-args",
-        default="",
+        "--engine-args", "--vllm-args", "--llama-cpp-args", default="",
         help="model_args of every run on --engine (and of lm-eval's own backend of it), e.g. "
         "enforce_eager=true,kv_cache_memory_bytes=1073741824 for vLLM's CPU build",
-    )
+    )  # fmt: skip
     p.add_argument("--max-gen-toks", type=int, default=96)
     p.add_argument("--repeats", type=int, default=1, help="rounds; order reverses every round")
     p.add_argument(
@@ -115,8 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--skip",
         default="",
-        help="comma list of runs to skip: hf, alone, ensemble, ensemble_hf (and with --engine "
-        f"{LM_EVAL_OWN_BACKEND}: {LM_EVAL_OWN_BACKEND})",
+        help=f"comma list of runs to skip: hf, alone, ensemble, ensemble_hf, {LM_EVAL_OWN_BACKEND}",
     )
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--markdown", default=None, help="write a markdown table here")
@@ -170,8 +165,7 @@ class Bench:
 
     @property
     def vllm(self) -> bool:
-        """Whether lm-eval's own backend of ``--engine`` runs beside it."""
-        return self.engine == LM_EVAL_OWN_BACKEND
+        return self.engine == LM_EVAL_OWN_BACKEND  # lm-eval's own backend of --engine runs beside it
 
     @property
     def engine_args(self) -> str:
