@@ -196,3 +196,18 @@ def test_each_decode_code_is_named_for_what_it_is(smollm2: str) -> None:
         assert info.value.__cause__.code == -1 and slots.cached[1] == []
     finally:
         model.close()
+
+
+@pytest.mark.real
+@pytest.mark.llama_cpp
+def test_a_context_made_otherwise_than_asked_is_refused(smollm2: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The settings read back from the context: a micro-batch smaller than a block would cut a
+    block's decode in two (other logits), so such a context is refused."""
+    import llama_cpp
+
+    from lm_eval_safe.engines.llama_cpp.native import ContextSettings, Model
+
+    monkeypatch.setattr(llama_cpp, "llama_n_ubatch", lambda ctx: 32)
+    with pytest.raises(OSError) as info:
+        Model(smollm2, 0, ContextSettings(n_ctx=64, n_batch=64, n_seq_max=2, n_threads=1, flash_attn="on"))
+    assert "with {'n_ubatch': 32, 'n_seq_max': 2} where this engine set {'n_ubatch': 64, 'n_seq_max': 2}" in _one_line(info)

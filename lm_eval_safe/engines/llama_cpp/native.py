@@ -201,6 +201,16 @@ class Model:
         #: KV cells of each sequence
         self.n_ctx = settings.n_ctx
         self.n_batch = int(lib.llama_n_batch(ctx))
+        # read back what the context was made with: a decode of a block must be one micro-batch
+        # (the rows' exactness), and every row needs its sequence
+        made = {"n_ubatch": int(lib.llama_n_ubatch(ctx)), "n_seq_max": int(lib.llama_n_seq_max(ctx))}
+        wanted = {"n_ubatch": self.n_batch, "n_seq_max": settings.n_seq_max}
+        if made != wanted:
+            self.close()
+            raise OSError(
+                f"llama.cpp made the context of {path} with {made} where this engine set {wanted}: "
+                "this llama-cpp-python does not keep the settings rows need to be exact"
+            )
         self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
 
     # -- KV cache ------------------------------------------------------------------------
