@@ -237,9 +237,15 @@ def parse_options(raw: dict[str, Any]) -> SafeOptions:
         opts.weights = [
             as_number(w, "weights", float) for w in split_list(raw["weights"], "weights")
         ]
+    used = set(opts.member_engines())
     for spec in engines():
         for key in spec.options:
             if raw.get(key) is not None:
+                if spec.name not in used:  # it would be silently ignored
+                    raise OptionError(
+                        f"{key}= is an option of engine={spec.name}, and no member runs on it: "
+                        f"add engine={spec.name} (or engines=, one per member), or drop {key}="
+                    )
                 opts.engine_options[key] = spec.parse_option(key, raw[key])
     _validate(opts)
     return opts

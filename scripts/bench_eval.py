@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Whole evaluation runs, side by side: lm-eval's ``hf`` on the drafter alone, ``safe-ensemble``
 with the drafter alone, and the ensemble, through ``lm_eval.simple_evaluate`` in one process.
-With ``--engine vllm`` the members run on vLLM, beside lm-eval's own ``vllm`` backend on the
-drafter alone and the same ensemble on transformers (``ensemble_hf``); with ``--engine
-llama_cpp`` they run on llama.cpp, beside the same ensemble on transformers.
+With ``--engine NAME`` (any engine of the registry) the members run on that engine, beside the
+same ensemble on transformers (``ensemble_hf``), with ``--engine-args`` (the engine's own
+model_args); where lm-eval has a backend of its own for the engine (``vllm``), it runs the
+drafter alone beside them.
 
 Why this benchmark: a user judges the backend by what a whole ``lm_eval`` run costs next to
 lm-eval's own ``hf`` backend on one model, with real task prompts (few-shot exemplars, chat
@@ -24,7 +25,8 @@ Example (BBH, 3 subtasks x 6 questions sharing 3-shot exemplars, batch 8)::
 
 On vLLM (an environment from ``bash scripts/setup.sh --vllm``), batch ``auto``::
 
-    .venv-vllm/bin/python scripts/bench_eval.py --engine vllm --limit 8 --batch-size auto
+    .venv-vllm/bin/python scripts/bench_eval.py --engine vllm --limit 8 --batch-size auto \\
+        --engine-args enforce_eager=true,kv_cache_memory_bytes=1073741824
 
 On llama.cpp (``bash scripts/setup.sh --llama-cpp``)::
 
@@ -52,10 +54,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from lm_eval_safe.bench.eval_report import markdown  # noqa: E402
 from lm_eval_safe.bench.output import write_json_report  # noqa: E402
+from lm_eval_safe.engines.registry import DEFAULT_ENGINE, engine_names  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: Every run a report may hold, in the order of the first round.
 RUNS = ("hf", "vllm", "alone", "ensemble", "ensemble_hf")
+#: the engine lm-eval has a backend of its own for (``--model vllm``), run on the drafter alone
+LM_EVAL_OWN_BACKEND = "vllm"
 LABELS = {
     "hf": "lm-eval hf, drafter alone",
     "vllm": "lm-eval vllm, drafter alone",
@@ -68,7 +73,7 @@ LABELS = {
 def labels(report: dict[str, Any]) -> dict[str, str]:
     """Every run's name in the tables; safe-ensemble's runs on another engine say which."""
     engine = report["engine"]
-    on = {"alone", "ensemble"} if engine != "hf" else set()
+    on = {"alone", "ensemble"} if engine != DEFAULT_ENGINE else set()
     return {name: f"{LABELS[name]} on {engine}" if name in on else LABELS[name] for name in RUNS}
 
 
@@ -86,13 +91,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tasks", default=DEFAULT_TASKS, help="comma list of task names")
     p.add_argument("--limit", type=int, default=6, help="documents per task")
     p.add_argument("--batch-size", default="8", help="an integer or auto")
-    p.add_argument("--engine", choices=("hf", "vllm", "llama_cpp"), default="hf", help="the members' engine")
+    p.add_argument("--engine", choices=engine_names(), default=DEFAULT_ENGINE, help="the members' engine")
     p.add_argument(
-        "--vllm-args",
-        default="enforce_eager=true,kv_cache_memory_bytes=1073741824",
-        help="model_args of every vLLM run (safe-ensemble's and lm-eval's vllm)",
-    )
-    p.add_argument("--llama-cpp-args", default="", help="model_args of every llama.cpp run")
+        "--engine-args", "--vllm-args", "--llama-cpp-args", default="",
+        help="model_args of every run on --engine (and of lm-eval's own backend of it), e.g. "
+        "enforce_eager=true,kv_cache_memory_bytes=1073741824 for vLLM's CPU build",
+    )  # fmt: skip
     p.add_argument("--max-gen-toks", type=int, default=96)
     p.add_argument("--repeats", type=int, default=1, help="rounds; order reverses every round")
     p.add_argument(
@@ -107,7 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--skip",
         default="",
-        help="comma list of runs to skip: hf, alone, ensemble, ensemble_hf (and with --engine vllm: vllm)",
+        help=f"comma list of runs to skip: hf, alone, ensemble, ensemble_hf, {LM_EVAL_OWN_BACKEND}",
     )
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--markdown", default=None, help="write a markdown table here")
@@ -161,15 +165,14 @@ class Bench:
 
     @property
     def vllm(self) -> bool:
-        return self.engine == "vllm"
+        return self.engine == LM_EVAL_OWN_BACKEND  # lm-eval's own backend of --engine runs beside it
 
     @property
     def engine_args(self) -> str:
         """The model_args that put a safe-ensemble run on ``--engine``."""
-        extra = {"hf": "", "vllm": self.args.vllm_args, "llama_cpp": self.args.llama_cpp_args}[self.engine]
-        if self.engine == "hf":
-            return ""
-        return ",".join(a for a in (f"engine={self.engine}", extra) if a)
+        if self.engine == DEFAULT_ENGINE:
+            return self.args.engine_args
+        return ",".join(a for a in (f"engine={self.engine}", self.args.engine_args) if a)
 
 
 def load_safe_models(bench: Bench, skip: set[str]) -> None:
@@ -190,7 +193,7 @@ def load_safe_models(bench: Bench, skip: set[str]) -> None:
         bench.models["ensemble"] = SafeEnsembleLM.create_from_arg_string(
             model_args(members, ",".join(a for a in (ensemble_args, engine) if a), batch)
         )
-    if bench.engine != "hf" and "ensemble_hf" not in skip:
+    if bench.engine != DEFAULT_ENGINE and "ensemble_hf" not in skip:
         bench.models["ensemble_hf"] = SafeEnsembleLM.create_from_arg_string(
             model_args(members, ensemble_args, batch)
         )
@@ -212,13 +215,13 @@ def load_lm_eval_models(bench: Bench, skip: set[str]) -> None:
         from lm_eval_safe.model_args import parse_model_args
 
         on_vllm = models.get("alone") or models["ensemble"]
-        settings = {**on_vllm.drafter.engine.settings, **parse_model_args(args.vllm_args)}
+        settings = {**on_vllm.drafter.engine.settings, **parse_model_args(args.engine_args)}
         folder = settings.pop("model")
         settings = {k: v for k, v in settings.items() if k not in ("trust_remote_code", "max_logprobs")}
         models["vllm"] = VLLM(pretrained=folder, batch_size=batch, **settings)
     if "hf" not in skip:
         hf_drafter = next(
-            (lm.drafter for lm in models.values() if isinstance(lm, SafeEnsembleLM) and lm.drafter.engine.kind == "hf"),
+            (lm.drafter for lm in models.values() if isinstance(lm, SafeEnsembleLM) and lm.drafter.engine.kind == DEFAULT_ENGINE),
             None,
         )
         if hf_drafter is None:
@@ -324,21 +327,20 @@ def build_report(
         "alone_responses_equal_hf": same("alone", "hf"),
         **(
             {
-                "ensemble_over_lm_eval_vllm": ratio("ensemble", "vllm"),
-                "alone_over_lm_eval_vllm": ratio("alone", "vllm"),
-                "ensemble_vllm_over_ensemble_hf": ratio("ensemble", "ensemble_hf"),
-                "alone_responses_equal_lm_eval_vllm": same("alone", "vllm"),
+                f"ensemble_{bench.engine}_over_ensemble_hf": ratio("ensemble", "ensemble_hf"),
+                f"alone_{bench.engine}_over_hf": ratio("alone", "hf"),
                 "ensemble_responses_equal_ensemble_hf": same("ensemble", "ensemble_hf"),
             }
-            if bench.vllm
+            if bench.engine != DEFAULT_ENGINE
             else {}
         ),
         **(
             {
-                "ensemble_llama_cpp_over_ensemble_hf": ratio("ensemble", "ensemble_hf"),
-                "alone_llama_cpp_over_hf": ratio("alone", "hf"),
+                "ensemble_over_lm_eval_vllm": ratio("ensemble", "vllm"),
+                "alone_over_lm_eval_vllm": ratio("alone", "vllm"),
+                "alone_responses_equal_lm_eval_vllm": same("alone", "vllm"),
             }
-            if bench.engine == "llama_cpp"
+            if bench.vllm
             else {}
         ),
         "scores": {name: scores(res) for name, res in rounds.outputs.items()},

@@ -78,11 +78,15 @@ from lm_eval_safe.bench.speed import (  # noqa: E402
 from lm_eval_safe.bench.speed_report import markdown, modelled, ratios, summarise  # noqa: E402
 from lm_eval_safe.decoding import SafeDecoder  # noqa: E402
 from lm_eval_safe.engines import load_member  # noqa: E402
-from lm_eval_safe.engines.hf import FAST_SMALL_LINEAR  # noqa: E402
+from lm_eval_safe.engines.registry import DEFAULT_ENGINE, engine_names  # noqa: E402
 from lm_eval_safe.members import Member  # noqa: E402
 from lm_eval_safe.model_args import resolve_drafter_index  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+#: engine options this benchmark sets where the engine claims them: no shared-prefix store,
+#: or every method would reuse the prompt the method before it prefilled
+#: (scripts/bench_eval.py measures reuse across requests)
+BENCH_DEFAULTS = {"prefix_cache_mb": 0}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -97,15 +101,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--draft-len", type=int, default=5)
     p.add_argument("--shots", type=int, default=0, help="solved problems before each prompt")
+    p.add_argument("--engine", choices=engine_names(), default=DEFAULT_ENGINE, help="the members' engine")
     p.add_argument(
-        "--fast-small-linear", default="auto", choices=FAST_SMALL_LINEAR, help="model arg of the same name"
-    )
-    p.add_argument(
-        "--prefix-cache-mb",
-        type=float,
-        default=0,
-        help="shared-prefix store per member (default off: every method would reuse the prompt "
-        "the method before it prefilled; scripts/bench_eval.py measures reuse across requests)",
+        "--engine-args",
+        default="",
+        help="the engine's own model_args, e.g. fast_small_linear=off (the transformers engine's "
+        f"shared-prefix store is off unless given: {BENCH_DEFAULTS})",
     )
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument(
@@ -146,20 +147,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def engine_settings(args: argparse.Namespace, specs: list[str]) -> dict:
+    """``--engine``'s own loading settings: ``--engine-args`` over :data:`BENCH_DEFAULTS` (the
+    keys it claims), checked by the engine's spec as ``--model_args`` are."""
+    from lm_eval_safe.engines import engine
+    from lm_eval_safe.model_args import parse_model_args
+    from lm_eval_safe.options import parse_options
+
+    spec = engine(args.engine)
+    given = {key: value for key, value in BENCH_DEFAULTS.items() if key in spec.options}
+    given.update(parse_model_args(args.engine_args))
+    return spec.member_settings(parse_options({"members": specs, "engine": args.engine, **given}))
+
+
 def load_members(args: argparse.Namespace, specs: list[str]) -> tuple[list[Member], float]:
     """Every member, once (``--member-devices``: one device each), with the seconds it took."""
     devices = [d.strip() for d in args.member_devices.split(",")] if args.member_devices else None
     if devices is not None and len(devices) != len(specs):
         raise SystemExit(f"--member-devices names {len(devices)} devices for {len(specs)} members")
+    settings = engine_settings(args, specs)
     start = time.perf_counter()
     members = [
         load_member(
             spec,
+            engine=args.engine,
             index=i,
             device=devices[i] if devices else args.device,
             dtype=args.dtype,
-            fast_small_linear=args.fast_small_linear,
-            prefix_cache_mb=args.prefix_cache_mb,
+            **settings,
         )
         for i, spec in enumerate(specs)
     ]
@@ -205,8 +220,8 @@ def build_report(
             "max_new_tokens": args.max_new_tokens,
             "draft_len": args.draft_len,
             "shots": args.shots,
-            "fast_small_linear": args.fast_small_linear,
-            "prefix_cache_mb": args.prefix_cache_mb,
+            "engine": args.engine,
+            **engine_settings(args, specs),
             "methods": args.method_list,
             "device": ",".join(str(m.device) for m in members),
             "dtype": str(members[0].dtype).replace("torch.", ""),

@@ -39,6 +39,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+#: the engine this check is of, as the registry names it (its spec checks the installed vLLM
+#: before anything loads)
+ENGINE = "vllm"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--members", default="gemma3-270m,smollm2-135m", help="drafter first")
     p.add_argument("--data-dir", default=str(REPO_ROOT.parent / "shared" / "data"))
     p.add_argument("--member-devices", default=None, help="e.g. cuda:0,cuda:1")
-    p.add_argument("--vllm-args", default="", help="extra model_args of every vLLM engine")
+    p.add_argument("--engine-args", "--vllm-args", default="", help="extra model_args of every vLLM engine")
     p.add_argument("--tolerance", type=float, default=1e-4)
     p.add_argument("--skip-speed", action="store_true")
     return p.parse_args(argv)
@@ -57,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from lm_eval_safe.bench.vllm_parity import compare_with_lm_eval_vllm, lm_eval_vllm_for
+    from lm_eval_safe.engines import engine
     from lm_eval_safe.model import SafeEnsembleLM
+
+    engine(ENGINE).check_versions()  # one line before any engine starts
 
     members = [m for m in args.members.split(",") if m]
     failed = 0
@@ -67,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         failed += int(not ok)
         print(f"{'PASS' if ok else 'FAIL'} {line}", flush=True)
 
-    extra = f",{args.vllm_args}" if args.vllm_args else ""
+    extra = f",{args.engine_args}" if args.engine_args else ""
     start = time.perf_counter()
-    alone = SafeEnsembleLM.create_from_arg_string(f"members={members[0]},engine=vllm,batch_size=auto{extra}")
+    alone = SafeEnsembleLM.create_from_arg_string(f"members={members[0]},engine={ENGINE},batch_size=auto{extra}")
     theirs = lm_eval_vllm_for(alone.members[0])
     parity = compare_with_lm_eval_vllm(alone, theirs, Path(args.data_dir))
     report(
@@ -84,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         devices = [d for d in args.member_devices.split(",") if d]
         before = [torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]
         lm = SafeEnsembleLM.create_from_arg_string(
-            f"members={'|'.join(members)},engine=vllm,member_devices={'|'.join(devices)}{extra}"
+            f"members={'|'.join(members)},engine={ENGINE},member_devices={'|'.join(devices)}{extra}"
         )
         after = [torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]
         for member, device in zip(lm.members, devices, strict=True):
@@ -97,10 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         bench = REPO_ROOT / "scripts" / "bench_eval.py"
         drafter, *verifiers = members
         bench_args = [
-            "--engine", "vllm", "--drafter", drafter, "--verifiers", ",".join(verifiers),
+            "--engine", ENGINE, "--drafter", drafter, "--verifiers", ",".join(verifiers),
             "--limit", "8", "--batch-size", "auto", "--max-gen-toks", "96",
             "--data-dir", args.data_dir, "--skip", "hf",
-            "--vllm-args", args.vllm_args or "enforce_eager=false",
+            "--engine-args", args.engine_args or "enforce_eager=false",
             "--json", str(REPO_ROOT / "benchmarks" / "runs" / "check_vllm_gpu.json"),
         ]  # fmt: skip
         subprocess.run([sys.executable, str(bench), *bench_args], check=True)  # its own process
@@ -109,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         result = json.loads((REPO_ROOT / "benchmarks" / "runs" / "check_vllm_gpu.json").read_text())
         ratio = result["ensemble_over_lm_eval_vllm"]
         report(ratio is not None and ratio <= 1.5, f"ensemble on vLLM / lm-eval vllm on {drafter} alone: {ratio:.2f} (goal <= 1.5)")
-        hf_ratio = result["ensemble_vllm_over_ensemble_hf"]
+        hf_ratio = result[f"ensemble_{ENGINE}_over_ensemble_hf"]
         print(f"INFO ensemble on vLLM / ensemble on transformers: {hf_ratio:.2f}")
         same = result["ensemble_responses_equal_ensemble_hf"]
         print(f"INFO responses equal between the engines: {same[0]}/{same[1]}")

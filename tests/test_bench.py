@@ -107,9 +107,12 @@ def test_bench_speed_script_end_to_end(tiny_bpe_dir: Path, tiny_sp_dir: Path, tm
         "--members", f"{tiny_bpe_dir},{tiny_sp_dir}", "--data-dir", str(data), "--prompts", "2",
         "--max-new-tokens", "4", "--ignore-eos", "--device", "cpu",
         "--methods", "hf_generate,drafter,safe_gac,safe_unite,safe_unite_overlap,floor", "--json", str(out),
+        "--engine-args", "fast_small_linear=off",
     ]
     assert script.main(argv) == 0
     report = json.loads(out.read_text())
+    config = report["config"]  # the engine's settings, checked by its spec, the store off by default
+    assert (config["engine"], config["fast_small_linear"], config["prefix_cache_mb"]) == ("hf", "off", 0.0)
     assert set(report["methods"]) == {"hf_generate", "drafter", "safe_gac", "safe_unite", "safe_unite_overlap", "floor"}
     assert report["methods"]["safe_gac"]["tokens"] == 2 * 4
     # the latency model: measured inputs, and each decoder run priced from its own cycles
@@ -132,4 +135,23 @@ def test_a_benchmark_refuses_a_member_whose_engine_has_no_instruments() -> None:
 
     member = SimpleNamespace(name="remote", engine=SimpleNamespace(kind="vllm"))
     with pytest.raises(RuntimeError, match="remote: the vllm engine has no benchmark instruments"):
+        mask_eos([member])
+
+
+def test_an_engines_instruments_are_checked_against_the_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The transformers engine's instruments have every name of the protocol the benchmarks
+    read; an engine whose instruments lack some is refused naming them, before any is used."""
+    from types import SimpleNamespace
+
+    from lm_eval_safe import engines
+    from lm_eval_safe.engines.spec import missing_instruments
+
+    member = SimpleNamespace(name="tiny", engine=SimpleNamespace(kind="hf"))
+    tools = engines.instruments(member)
+    assert missing_instruments(tools) == []
+    partial = SimpleNamespace(**{name: getattr(tools, name) for name in ("mask_eos", "generate", "ForwardClock")})
+    monkeypatch.setattr(type(engines.engine("hf")), "instruments", lambda self: partial)
+    with pytest.raises(RuntimeError, match="the hf engine's benchmark instruments lack CACHE_MOVES, FunctionClock"):
+        engines.instruments(member)
+    with pytest.raises(RuntimeError, match="lack"):
         mask_eos([member])

@@ -194,3 +194,111 @@ def test_bad_folders_are_one_line_errors(folders: dict[str, Path], tmp_path: Pat
     assert proc.returncode != 0 and not out.exists()
     assert proc.stderr.strip().count("\n") == 0 and "lm-eval-safe report:" in proc.stderr
     assert write_report([folders["pair"]], out).is_file()
+
+
+# -- real configuration names -----------------------------------------------------------------
+def _named_runs() -> list[Any]:
+    """Runs of the default members under the names the report gives real runs (60-100
+    characters for an ensemble), two tasks of 20 questions each, hand-set verdicts."""
+    from lm_eval_safe.leaderboard.result_cache import Outcome
+    from lm_eval_safe.leaderboard.runs import Run, Sample, _configuration
+
+    def named(
+        members: list[str], engine: str, schedule: str = "safe", aggregator: str = "unite", sharpen: str = "heuristic"
+    ) -> tuple[str, bool]:
+        options = {"schedule": schedule, "aggregator": aggregator, "sharpen": sharpen}
+        config = {
+            "model": "safe-ensemble",
+            "members": [{"name": m, "engine": engine} for m in members],
+            "safe_options": options,
+            "drafter": members[0],
+        }
+        name, single, _ = _configuration(config, Path("."))
+        return name, single
+
+    default = ["smollm2-135m", "gemma3-270m"]
+    configs = [
+        named(["smollm2-135m"], "hf"), named(["gemma3-270m"], "hf"), named(["smollm2-135m"], "llama_cpp"),
+        named(default, "hf", sharpen="geometric"), named(default, "llama_cpp"), named(default[::-1], "llama_cpp", "threshold", "gac"),
+        named([*default, "qwen2.5-coder-0.5b"], "llama_cpp", "every"),
+    ]  # fmt: skip
+    runs = []
+    for j, (name, single) in enumerate(configs):
+        outcomes, samples = {}, {}
+        for t, task in enumerate(("safe_gsm8k", "safe_bbh_navigate")):
+            right = [(3 * doc + 5 * j + t) % 7 < 3 + j % 3 for doc in range(20)]
+            samples[task] = {d: Sample(d, r, ["text"], "target", "prompt") for d, r in enumerate(right)}
+            outcomes[task] = Outcome(
+                name, task, sum(right) / 20, "exact_match", 20, None if single else 2.0 + 9 * j,
+                None if single else 0.8, 5.0 + 4 * j, 400, 30.0, False,
+            )  # fmt: skip
+        runs.append(Run(Path("."), name, single, [], outcomes, samples, {}, False))
+    return runs
+
+
+def test_the_plots_fit_real_configuration_names_at_1400_px(tmp_path: Path) -> None:
+    """In Chromium at 1400 px the accuracy plot keeps most of the width, its legend stands
+    between the plots inside the page without covering either, the speed plot keeps room for
+    its bars (its labels are the leaderboard's keys), and every configuration's marks are drawn
+    inside the accuracy plot's area of the screenshot."""
+    from matplotlib.colors import to_rgb
+    from matplotlib.image import imread
+
+    from lm_eval_safe.leaderboard.plots import ACCURACY_AXES, LEGEND, SPEED_AXES, color
+
+    binary = find_chromium()
+    if binary is None:
+        if os.environ.get("LM_EVAL_SAFE_REQUIRE_BROWSER") == "1":
+            pytest.fail("chromium is not installed (apt-get install chromium)")
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    runs = _named_runs()
+    assert all(60 <= len(r.config) <= 100 for r in runs if not r.is_single), [r.config for r in runs]
+    page_path = tmp_path / "report.html"
+    page_path.write_text(build_report(runs, [tmp_path]))
+    rect = "(id => { const r = document.getElementById(id).getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; })"
+    with HeadlessPage(binary, width=1400) as page:
+        page.open(page_path)
+        assert page.evaluate("[...document.querySelectorAll('#leaderboard tr.leaderboard-row')].map(r => r.dataset.key)") == [
+            f"C{i + 1}" for i in range(len(runs))
+        ]
+        page.evaluate("document.querySelector('.plots').scrollIntoView()")
+        width = page.evaluate("document.documentElement.clientWidth")
+        plots = page.evaluate("(() => { const r = document.querySelector('.plots svg').getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; })()")
+        accuracy, legend, speed = (page.evaluate(f"{rect}('{gid}')") for gid in (ACCURACY_AXES, LEGEND, SPEED_AXES))
+        shot = page.screenshot(tmp_path / "plots.png")
+    assert plots[0] >= 0 and plots[2] <= width
+    assert accuracy[2] - accuracy[0] >= 0.4 * width, accuracy  # was 95 px with the names as labels
+    assert accuracy[2] <= legend[0] and legend[2] <= speed[0], (accuracy, legend, speed)
+    assert legend[0] >= 0 and legend[2] <= width
+    assert speed[2] - speed[0] >= 0.12 * width and speed[2] <= width, speed
+    image = imread(shot)[..., :3]
+    assert image.shape[1] == 1400
+    left, top, right, bottom = (round(v) for v in accuracy)
+    area = image[max(0, top) : bottom, left:right]
+    for j, run in enumerate(runs):
+        close = (abs(area - to_rgb(color(j))).max(axis=-1) < 0.08).sum()
+        assert close >= 20, f"{run.config}: {close} pixels of its colour in the accuracy plot"
+
+
+def test_the_gap_test_is_exact_mcnemar() -> None:
+    """Against scipy's exact binomial test on the discordant questions, and on hand-set
+    verdicts in the leaderboard (the ensemble against the best member alone)."""
+    from scipy.stats import binomtest
+
+    from lm_eval_safe.leaderboard.report import mcnemar_exact
+
+    for fixed in range(13):
+        for broken in range(13):
+            n = fixed + broken
+            expected = 1.0 if n == 0 else binomtest(fixed, n, 0.5).pvalue
+            assert mcnemar_exact(fixed, broken) == pytest.approx(expected, abs=1e-12)
+    runs = _named_runs()
+    best = max((r for r in runs if r.is_single), key=lambda r: r.outcomes["safe_gsm8k"].accuracy)
+    ensemble = runs[4]
+    mine, theirs = ensemble.samples["safe_gsm8k"], best.samples["safe_gsm8k"]
+    fixed = sum(1 for d in mine if mine[d].correct and not theirs[d].correct)
+    broken = sum(1 for d in mine if theirs[d].correct and not mine[d].correct)
+    assert fixed + broken > 0
+    page = build_report(runs, [Path(".")])
+    row = page[page.index('data-key="C5"') :]
+    assert f"+{fixed} / −{broken}, p = {binomtest(fixed, fixed + broken, 0.5).pvalue:.2g}</td>" in row[: row.index("</tr>")]

@@ -94,10 +94,11 @@ def _module(path: Path) -> str:
 MODULES = {_module(p): p for p in PACKAGE.rglob("*.py")}
 
 
-def _imports(path: Path) -> set[str]:
+def _imports(path: Path, name: str | None = None) -> set[str]:
     """The package's modules that ``path`` imports, anywhere in it (``from a import b``: the
-    module ``a.b`` where there is one, else ``a``)."""
-    name = _module(path)
+    module ``a.b`` where there is one, else ``a``); ``name``: the module ``path`` is (default:
+    where it lies in the repository)."""
+    name = name or _module(path)
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
@@ -152,33 +153,49 @@ def _outside_engine_folders() -> list[Path]:
     ]
 
 
-def test_engines_are_named_in_their_folders_and_the_registry_alone() -> None:
+def engine_mentions(path: Path, names: set[str], module: str | None = None) -> list[str]:
+    """Where ``path`` names an engine: an import of an engine's folder (``lm_eval_safe.engines.
+    <name>`` or a module in it), or a string equal to one of ``names`` (``module``: the module
+    ``path`` is, for a file outside the repository)."""
+    label = _name(path) if path.is_relative_to(REPO) else path.name
+    found = []
+    for imported in _imports(path, module):
+        parts = imported.split(".")
+        if parts[:2] == ["lm_eval_safe", "engines"] and len(parts) > 2 and parts[2] in ENGINE_FOLDERS:
+            found.append(f"{label} imports {imported}")
+    if label in LM_EVAL_MODEL_NAMES:
+        return found
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.strip().lower() in names:
+            found.append(f"{label}:{node.lineno} names engine {node.value!r}")
+    return found
+
+
+def engines_named_outside_their_folders() -> list[str]:
+    """:func:`engine_mentions` over every package module outside the engine folders and the
+    registry, for every engine registered now and every engine folder."""
     from lm_eval_safe.engines.registry import engine_names
 
     names = {*engine_names(), *ENGINE_FOLDERS}
-    found = []
-    for path in _outside_engine_folders():
-        for module in _imports(path):
-            parts = module.split(".")
-            inside = parts[:2] == ["lm_eval_safe", "engines"] and len(parts) > 2 and parts[2] in ENGINE_FOLDERS
-            if inside:
-                found.append(f"{_name(path)} imports {module}")
-        if _name(path) in LM_EVAL_MODEL_NAMES:
-            continue
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.strip().lower() in names:
-                found.append(f"{_name(path)}:{node.lineno} names engine {node.value!r}")
-    assert found == []
+    return [found for path in _outside_engine_folders() for found in engine_mentions(path, names)]
+
+
+def test_engines_are_named_in_their_folders_and_the_registry_alone() -> None:
+    assert engines_named_outside_their_folders() == []
 
 
 def test_the_rule_sees_an_engine_named_outside_its_folder(tmp_path: Path) -> None:
-    """The check above finds both forms (so an empty finding means something)."""
+    """The rule above, run on a probe module, finds both forms (so an empty finding means
+    something), and nothing in a module that names no engine."""
     probe = tmp_path / "probe.py"
     probe.write_text('from lm_eval_safe.engines.hf import loading\nif kind == "vllm":\n    pass\n')
-    tree = ast.parse(probe.read_text())
-    literals = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in ENGINE_FOLDERS]
-    modules = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-    assert literals == ["vllm"] and modules == ["lm_eval_safe.engines.hf"]
+    names = set(ENGINE_FOLDERS)
+    assert engine_mentions(probe, names, "lm_eval_safe.probe") == [
+        "probe.py imports lm_eval_safe.engines.hf.loading",
+        "probe.py:2 names engine 'vllm'",
+    ]
+    probe.write_text('from lm_eval_safe.engines import engine\nif kind == "vlm":\n    pass\n')
+    assert engine_mentions(probe, names, "lm_eval_safe.probe") == []
 
 
 def test_no_import_circles_among_modules_or_rooms() -> None:

@@ -19,13 +19,23 @@ loaded on it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from importlib import import_module
 from typing import Any
 
 from lm_eval_safe.engines.registry import DEFAULT_ENGINE, engine_names, engine_package
-from lm_eval_safe.engines.spec import EngineSpec, MemberLoad, head_width
+from lm_eval_safe.engines.spec import (
+    EngineSpec,
+    Instruments,
+    MemberLoad,
+    head_width,
+    missing_instruments,
+)
+from lm_eval_safe.sources import MemberSource
+
+logger = logging.getLogger(__name__)
 
 
 def engine(name: str) -> EngineSpec:
@@ -56,10 +66,28 @@ def load_source(load: MemberLoad, engine_name: str, **settings: Any) -> Any:
     return member_of(engine(engine_name).load(load, **settings), load)
 
 
+def check_sources(sources: Sequence[MemberSource], names: Sequence[str]) -> None:
+    """What every load runs before its first member loads: each GGUF file's header, each
+    engine's versions, and whether each engine can load its members (``names``: the engine of
+    each source)."""
+    from lm_eval_safe.sources import check_gguf_file
+
+    for source in sources:
+        if source.kind == "gguf":
+            check_gguf_file(source)
+    for name in dict.fromkeys(names):
+        spec = engine(name)
+        for source, of in zip(sources, names, strict=True):
+            if of == name:
+                spec.check_source(source)
+        spec.check_versions()
+
+
 def load_member(spec: str, *, engine: str = DEFAULT_ENGINE, **settings: Any) -> Any:
     """Load one member from its spec: ``settings`` are :class:`~.spec.MemberLoad`'s fields
     (``device``, ``dtype``, ``max_length``...) and the engine's own (its ``plan`` settings,
-    e.g. ``fast_small_linear=``). Benchmarks and tests load members one by one this way."""
+    e.g. ``fast_small_linear=``). Benchmarks and tests load members one by one this way, with
+    the checks :func:`load_members` runs (:func:`check_sources`)."""
     from dataclasses import fields
 
     from lm_eval_safe.sources import resolve_source
@@ -68,24 +96,22 @@ def load_member(spec: str, *, engine: str = DEFAULT_ENGINE, **settings: Any) -> 
     shared = {k: v for k, v in settings.items() if k in common}
     own = {k: v for k, v in settings.items() if k not in common}
     source = resolve_source(spec, shared.get("cache_dir"))
+    check_sources([source], [engine])
     return load_source(MemberLoad(source, **shared), engine, **own)
 
 
 def load_members(opts: Any, placements: Sequence[Any], rank: int, world_size: int) -> list[Any]:
-    """Every member of ``opts`` on its engine and placement. Every source is resolved and every
-    GGUF file checked, and each engine used checks its versions and plans its members, before
-    the first member loads (that takes minutes)."""
-    from lm_eval_safe.sources import check_gguf_file, resolve_source
+    """Every member of ``opts`` on its engine and placement. Every source is resolved and
+    checked (:func:`check_sources`), and each engine used plans its members, before the first
+    member loads (that takes minutes)."""
+    from lm_eval_safe.sources import resolve_source
 
     sources = [resolve_source(spec, opts.cache_dir) for spec in opts.members]
-    for source in sources:
-        if source.kind == "gguf":
-            check_gguf_file(source)
     names = opts.member_engines()
+    check_sources(sources, names)
     settings: list[dict[str, Any]] = [{} for _ in names]
     for name in dict.fromkeys(names):
         spec = engine(name)
-        spec.check_versions()
         indices = [i for i, n in enumerate(names) if n == name]
         for i, planned in zip(indices, spec.plan(opts, placements, indices, rank, world_size), strict=True):
             settings[i] = planned
@@ -108,12 +134,17 @@ def load_members(opts: Any, placements: Sequence[Any], rank: int, world_size: in
     return members
 
 
-def instruments(member: Any) -> Any:
+def instruments(member: Any) -> Instruments:
     """The benchmark instruments of ``member``'s engine (:meth:`~.spec.EngineSpec.instruments`);
-    a one-line error where its engine has none, so a benchmark never reaches into a model."""
-    tools = engine(member.engine.kind).instruments()
+    a one-line error where its engine has none, or lacks some of the protocol's names, so a
+    benchmark never reaches into a model nor fails halfway through a run."""
+    kind = member.engine.kind
+    tools = engine(kind).instruments()
     if tools is None:
-        raise RuntimeError(f"{member.name}: the {member.engine.kind} engine has no benchmark instruments")
+        raise RuntimeError(f"{member.name}: the {kind} engine has no benchmark instruments")
+    missing = missing_instruments(tools)
+    if missing:
+        raise RuntimeError(f"the {kind} engine's benchmark instruments lack {', '.join(missing)}")
     return tools
 
 
@@ -139,8 +170,14 @@ def generation_rows(options: Any, members: Sequence[Any], jobs: Sequence[Any]) -
     return int(max(1, min(*rows, options.max_batch_size)))
 
 
-def serving_rows(options: Any, members: Sequence[Any]) -> int:
-    """Rows the server decodes together with ``batch_size`` not a number: ``max_batch_size``,
-    at most what each engine's members hold at once (:meth:`~.spec.EngineSpec.serving_rows`)."""
-    bounds = [engine(name).serving_rows(group) for name, group in members_by_engine(members).items()]
-    return int(min([options.max_batch_size, *(b for b in bounds if b is not None)]))
+def serving_rows(options: Any, members: Sequence[Any], asked: int | None = None) -> int:
+    """Rows the server decodes together: ``asked`` (``batch_size`` as a number) or else
+    ``max_batch_size``, at most what each engine's members hold at once beside the scoring a
+    request may ask for between two cycles (:meth:`~.spec.EngineSpec.serving_rows`). A number
+    lowered so says so in one log line."""
+    bounds = {name: engine(name).serving_rows(group) for name, group in members_by_engine(members).items()}
+    rows = min([asked or options.max_batch_size, *(b for b in bounds.values() if b is not None)])
+    if asked is not None and rows < asked:
+        held = ", ".join(f"{name} {bound}" for name, bound in bounds.items() if bound is not None)
+        logger.warning("batch_size=%d: the server decodes %d rows at once (rows each engine serves: %s)", asked, rows, held)
+    return int(rows)

@@ -11,11 +11,16 @@ registered engine's spec before anything loads, on machines without the engine i
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lm_eval_safe.sources import MemberSource
+
+if TYPE_CHECKING:
+    import torch
+
+    from lm_eval_safe.members import Member
 
 
 def head_width(top_logprobs: int, top_k: int) -> int:
@@ -58,6 +63,82 @@ class LoadedMember:
     max_length: int | None = None
 
 
+class Watch(Protocol):
+    """The device a clock times, and a wait for its queued work (a GPU runs asynchronously)."""
+
+    device: Any  # torch.device
+
+    def settle(self) -> None: ...
+
+
+class Clock(Protocol):
+    """Seconds spent in some work while installed; :meth:`close` uninstalls it."""
+
+    watch: Watch
+
+    @property
+    def seconds(self) -> float: ...
+
+    def close(self) -> None: ...
+
+
+class ForwardClock(Clock, Protocol):
+    """Seconds inside the members' forwards, and each member's forward count."""
+
+    forwards: Mapping[str, int]
+
+    @property
+    def depth(self) -> int:
+        """How deep the current thread is inside a member's forward (0: outside)."""
+        ...
+
+
+#: ``(module, function names)`` pairs a :class:`Clock` times (the engine's own functions)
+ClockTargets = Sequence[tuple[Any, Sequence[str]]]
+
+
+class Instruments(Protocol):
+    """What ``lm_eval_safe.bench`` measures or alters inside a member's model, as an engine
+    offers it (:meth:`EngineSpec.instruments`; the transformers engine's module). The
+    benchmarks reach a model through these names only, so an engine offering instruments
+    offers all of them (:func:`lm_eval_safe.engines.instruments` checks it)."""
+
+    #: the engine's KV-cache moves and head cutting, as targets of :attr:`FunctionClock`
+    CACHE_MOVES: ClockTargets
+    HEADS_WORK: ClockTargets
+    #: ``ForwardClock(members)``: times the members' forwards while installed
+    ForwardClock: Callable[[Sequence[Member]], ForwardClock]
+    #: ``FunctionClock(targets, device)``: times the named functions while installed
+    FunctionClock: Callable[[ClockTargets, Any], Clock]
+
+    def mask_eos(self, member: Member) -> None: ...
+
+    def favour_ids(self, member: Member, ids: list[int], bonus: float) -> None: ...
+
+    def prompt_logits(self, member: Member, ids: list[int]) -> torch.Tensor: ...
+
+    def generate(
+        self, member: Member, prompts: Sequence[list[int]], max_new_tokens: int, pad: int, own_eos: bool = True
+    ) -> list[list[int]]: ...
+
+    def forward_seconds(self, member: Member, prompt_ids: list[int], repeats: int = 7) -> tuple[float, float]: ...
+
+    def model_tensors(self, member: Member) -> Iterator[torch.Tensor]: ...
+
+    def parameter_count(self, member: Member) -> int: ...
+
+    def as_member(self, model: Any, tokenizer: Any, name: str, index: int = 0) -> Member: ...
+
+
+def missing_instruments(tools: object) -> list[str]:
+    """The names of :class:`Instruments` that ``tools`` lacks (a module is checked by its
+    names: a protocol cannot check a module at run time on every supported Python)."""
+    names = set(Instruments.__annotations__) | {
+        name for name, value in vars(Instruments).items() if callable(value) and not name.startswith("_")
+    }
+    return sorted(name for name in names if not hasattr(tools, name))
+
+
 class EngineSpec:
     """One engine's door. Subclass it in ``engines/<name>/__init__.py`` as ``ENGINE``; only
     :meth:`load` and :meth:`generation_rows` must be written, the rest have neutral defaults."""
@@ -86,6 +167,10 @@ class EngineSpec:
     def check_versions(self) -> None:
         """Refuse an untested version of the engine's library (one line; before any loading)."""
 
+    def check_source(self, source: MemberSource) -> None:
+        """Refuse a member this engine cannot load (one line), checked for every member before
+        the first one loads: loading takes minutes, and a refusal after it wastes them."""
+
     def plan(
         self, options: Any, placements: Sequence[Any], indices: Sequence[int], rank: int, world_size: int
     ) -> list[dict[str, Any]]:
@@ -110,9 +195,9 @@ class EngineSpec:
         bound of the engine's own)."""
         return None
 
-    def instruments(self) -> Any:
-        """The module of this engine's benchmark instruments (hooks on a member's model: EOS
-        masking, forward clocks, one forward's latency, ``generate``), or None where the
+    def instruments(self) -> Instruments | None:
+        """This engine's benchmark instruments (:class:`Instruments`: hooks on a member's model,
+        EOS masking, forward clocks, one forward's latency, ``generate``), or None where the
         engine's models cannot be reached from this process (the benchmarks that need them
         refuse its members). Imported only when asked for: it may import torch."""
         return None

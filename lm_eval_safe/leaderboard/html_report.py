@@ -4,8 +4,12 @@ It shows what ``safe_stats`` totals cannot: *where* an ensemble acted. Four part
 network (styles, scripts and plots are inline, so it opens from disk on an offline machine):
 
 - the leaderboard, with the figures :func:`~lm_eval_safe.leaderboard.report.cell_figures`
-  computes for ``compare.py``'s markdown (one code path, so two views never disagree);
-- plots (accuracy against E/T, speed) drawn by matplotlib as inline SVG;
+  computes for ``compare.py``'s markdown (one code path, so two views never disagree), and a
+  paired test of each ensemble's gap on the questions both it and the best member alone
+  answered (exact McNemar);
+- plots (accuracy against E/T, speed) drawn by matplotlib as inline SVG
+  (:mod:`~lm_eval_safe.leaderboard.plots`), each configuration named by its key in the
+  leaderboard;
 - a grid of questions x configurations, right or wrong, filterable to the questions an
   ensemble fixed (every member alone wrong) or broke (some member alone right);
 - a response view per question: each ensemble's text with every ensemble point marked
@@ -17,7 +21,6 @@ network (styles, scripts and plots are inline, so it opens from disk on an offli
 from __future__ import annotations
 
 import html
-import io
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -25,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_safe.leaderboard.configs import Config
-from lm_eval_safe.leaderboard.report import best_single, cell_figures, fmt
+from lm_eval_safe.leaderboard.plots import keys, plots_svg
+from lm_eval_safe.leaderboard.report import best_single, cell_figures, fmt, mcnemar_exact
 from lm_eval_safe.leaderboard.result_cache import Outcome
 from lm_eval_safe.leaderboard.runs import Run, RunsError, Sample, read_runs
 
@@ -48,6 +52,7 @@ span.point.active{outline:2px solid #222}
 #candidates{position:sticky;top:0;background:#fffdf5;border:1px solid #d8cfa8;border-radius:6px;
 padding:.5em .8em;margin:.8em 0;min-height:2em}#candidates table{font-size:13px}
 .legend span{margin-right:1em}.muted{color:#777}.filters label{margin-right:1em}
+#leaderboard td:nth-child(2),#leaderboard th:nth-child(2){text-align:left}td.gap-test{white-space:nowrap}
 """
 
 _SCRIPT = """
@@ -103,39 +108,71 @@ def _tasks(runs: Sequence[Run]) -> list[str]:
     return tasks
 
 
+def _best_member(runs: Sequence[Run], task: str) -> Run | None:
+    """The member alone with the best accuracy on ``task`` (the gap column's reference)."""
+    singles = [r for r in runs if r.is_single and (o := r.outcomes.get(task)) is not None and o.accuracy is not None]
+    return max(singles, key=lambda r: r.outcomes[task].accuracy, default=None)
+
+
+def _gap_test(run: Run, best: Run | None, task: str) -> str:
+    """An ensemble's questions right where the best member alone was wrong, the reverse, and
+    the exact McNemar p-value of that difference (``-`` for a member alone)."""
+    if run.is_single or best is None:
+        return "<td>-</td>"
+    mine, theirs = run.task_samples(task), best.task_samples(task)
+    pairs = [
+        (s.correct, theirs[key].correct)
+        for key, s in mine.items()
+        if key in theirs and s.correct is not None and theirs[key].correct is not None
+    ]
+    fixed = sum(1 for a, b in pairs if a and not b)
+    broken = sum(1 for a, b in pairs if b and not a)
+    title = (
+        f"of {len(pairs)} questions both answered: {fixed} right here and wrong for {best.config}, "
+        f"{broken} the reverse; exact two-sided McNemar p-value"
+    )
+    return f'<td class="gap-test" title="{_e(title)}">+{fixed} / −{broken}, p = {mcnemar_exact(fixed, broken):.2g}</td>'
+
+
 def _leaderboard(runs: Sequence[Run], tasks: Sequence[str]) -> str:
     outcomes = [o for run in runs for o in run.outcomes.values()]
     configs = _configs(runs)
     head = "".join(
-        f"<th>{_e(t)}<br>accuracy % (gap)</th><th>95% CI</th><th>n</th>" for t in tasks
+        f"<th>{_e(t)}<br>accuracy % (gap)</th><th>gap test</th><th>95% CI</th><th>n</th>" for t in tasks
     )
+    best = {task: _best_member(runs, task) for task in tasks}
     rows = []
-    for run in runs:
+    for key, run in zip(keys(runs), runs, strict=True):
         cells = []
         for task in tasks:
             outcome = run.outcomes.get(task)
             if outcome is None:
-                cells.append("<td>-</td><td>-</td><td>-</td>")
+                cells.append("<td>-</td><td>-</td><td>-</td><td>-</td>")
                 continue
             figures = cell_figures(outcome, best_single(outcomes, configs, task), run.is_single)
             acc = fmt(figures.accuracy_percent, "{:.1f}")
             if figures.gap_points is not None:
                 acc += f" ({figures.gap_points:+.1f})"
             ci = "-" if figures.interval_percent is None else "[{:.1f}, {:.1f}]".format(*figures.interval_percent)
-            cells.append(f"<td>{acc}</td><td>{ci}</td><td>{figures.n}</td>")
+            cells.append(f"<td>{acc}</td>{_gap_test(run, best[task], task)}<td>{ci}</td><td>{figures.n}</td>")
         speed = _speed_cells(_run_wide(run), run.is_single)
         rows.append(
-            f'<tr class="leaderboard-row" data-config="{_e(run.config)}"><td>{_e(run.config)}</td>'
+            f'<tr class="leaderboard-row" data-config="{_e(run.config)}" data-key="{key}">'
+            f"<td><b>{key}</b></td><td>{_e(run.config)}</td>"
             + "".join(cells)
             + speed
             + "</tr>"
         )
     return (
-        '<table id="leaderboard"><thead><tr><th>configuration</th>'
+        '<table id="leaderboard"><thead><tr><th>key</th><th>configuration</th>'
         + head
         + "<th>E/T %</th><th>acceptance</th><th>tok/s</th><th>wall s</th></tr></thead><tbody>"
         + "".join(rows)
         + "</tbody></table>"
+        + '<p class="muted">gap: accuracy points to the best member alone; gap test: the questions '
+        "the ensemble got right and that member wrong (+) and the reverse (−), with the exact "
+        "two-sided McNemar p-value of the difference (the questions both got right or both wrong "
+        "say nothing about it); the key names the configuration in the plots.</p>"
     )
 
 
@@ -153,55 +190,6 @@ def _speed_cells(outcome: Outcome | None, single: bool) -> str:
         f"<td>{'-' if single else fmt(outcome.acceptance, '{:.3f}')}</td>"
         f"<td>{fmt(outcome.tokens_per_second, '{:.2f}')}</td><td>{outcome.wall_seconds:.0f}</td>"
     )
-
-
-def _plots(runs: Sequence[Run], tasks: Sequence[str]) -> str:
-    """Accuracy against E/T (each configuration a point per task) and tokens per second."""
-    try:
-        import matplotlib
-    except ImportError as exc:
-        raise RunsError(
-            "lm-eval-safe report draws its plots with matplotlib: pip install 'lm-eval-safe[report]'"
-        ) from exc
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from lm_eval_safe.leaderboard.report import wilson_interval
-
-    fig, (ax_acc, ax_speed) = plt.subplots(1, 2, figsize=(12, 4.6), constrained_layout=True)
-    markers = "osD^v<>P*X"
-    for i, task in enumerate(tasks):
-        for j, run in enumerate(runs):
-            o = run.outcomes.get(task)
-            if o is None or o.accuracy is None:
-                continue
-            lo, hi = wilson_interval(o.accuracy, o.n)
-            x = o.et_percent or 0.0
-            ax_acc.errorbar(
-                [x], [100 * o.accuracy], yerr=[[100 * (o.accuracy - lo)], [100 * (hi - o.accuracy)]],
-                fmt=markers[i % len(markers)], color=f"C{j % 10}", capsize=3,
-                label=f"{run.config} · {task}",
-            )
-    ax_acc.set_xscale("symlog", linthresh=1.0)
-    ax_acc.set_xlim(-0.2, 110)
-    ax_acc.set_ylim(0, 100)
-    ax_acc.set_xlabel("E/T % (ensembled / generated tokens; members alone at 0)")
-    ax_acc.set_ylabel("accuracy % (95% Wilson CI)")
-    ax_acc.set_title("Accuracy against ensembled tokens")
-    ax_acc.legend(fontsize=7, loc="lower right")
-    names = [run.config for run in runs]
-    speeds = [(o.tokens_per_second if (o := _run_wide(run)) else None) or 0.0 for run in runs]
-    ax_speed.barh(range(len(names)), speeds, color=[f"C{j % 10}" for j in range(len(names))])
-    ax_speed.set_yticks(range(len(names)))
-    ax_speed.set_yticklabels(names, fontsize=7)
-    ax_speed.invert_yaxis()
-    ax_speed.set_xlabel("generated tokens per second (whole run)")
-    ax_speed.set_title("Speed")
-    buffer = io.StringIO()
-    fig.savefig(buffer, format="svg")
-    plt.close(fig)
-    svg = buffer.getvalue()
-    return svg[svg.index("<svg") :]
 
 
 def _verdict(sample: Sample | None) -> tuple[str, str]:
@@ -345,7 +333,7 @@ def build_report(runs: Sequence[Run], sources: Sequence[Path]) -> str:
         f"{_e(', '.join(str(s) for s in sources))}; written {datetime.now():%Y-%m-%d %H:%M}. "
         f"Traced (trace=true): {_e(', '.join(traced) or 'none')}.</p>"
         f"<h2>Leaderboard</h2>{_leaderboard(runs, tasks)}"
-        f'<h2>Plots</h2><div class="plots">{_plots(runs, tasks)}</div>'
+        f'<h2>Plots</h2><div class="plots">{plots_svg(runs, tasks)}</div>'
         f"<h2>Questions</h2>{_grid(runs, questions)}"
         '<h2>Responses</h2><p class="legend"><span><span class="point replaced">replaced</span> '
         'the ensemble replaced the drafted string</span><span><span class="point kept">kept</span> '

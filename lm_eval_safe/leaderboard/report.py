@@ -36,6 +36,21 @@ def wilson_interval(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def mcnemar_exact(only_first: int, only_second: int) -> float:
+    """Two-sided exact McNemar p-value of two configurations answering the same questions:
+    ``only_first`` questions the first got right and the second wrong, ``only_second`` the
+    reverse. Under "neither is better" each such discordant question goes either way with
+    probability 1/2, so the smaller count is binomial(n, 1/2) with n both counts together;
+    the questions both got right or both wrong say nothing about the difference. Wilson
+    intervals of each configuration apart cannot show this: the pairing is what removes the
+    questions' own difficulty from the comparison."""
+    n = only_first + only_second
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(only_first, only_second) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
 def best_single(outcomes: Sequence[Outcome], configs: Sequence[Config], task: str) -> float | None:
     """Accuracy of the best member alone on ``task`` (None when no member-alone row ran)."""
     singles = {c.name for c in configs if c.is_single}

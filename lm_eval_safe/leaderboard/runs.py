@@ -56,6 +56,13 @@ class Run:
     samples: dict[str, dict[int, Sample]]  # leaf task -> doc_id -> sample
     limits: dict[str, Any]
     traced: bool
+    #: top-level task -> the leaf tasks whose samples it holds (a group's subtasks; a task
+    #: that is no group: itself)
+    leaves: dict[str, list[str]] = field(default_factory=dict)
+
+    def task_samples(self, task: str) -> dict[tuple[str, int], Sample]:
+        """Every sample of a top-level task, keyed by (leaf task, doc_id)."""
+        return {(leaf, doc): s for leaf in self.leaves.get(task, [task]) for doc, s in self.samples.get(leaf, {}).items()}
 
 
 def _configuration(config: dict[str, Any], folder: Path) -> tuple[str, bool, list[str]]:
@@ -107,6 +114,12 @@ def _top_level_tasks(results: dict[str, Any]) -> list[str]:
 def _leaf_tasks(results: dict[str, Any]) -> list[str]:
     groups = results.get("group_subtasks", {})
     return [t for t in results.get("results", {}) if not groups.get(t)]
+
+
+def _leaves_of(task: str, groups: dict[str, list[str]]) -> list[str]:
+    """The leaf tasks under ``task`` (groups may hold groups)."""
+    subtasks = groups.get(task) or []
+    return [leaf for sub in subtasks for leaf in _leaves_of(sub, groups)] if subtasks else [task]
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -192,7 +205,9 @@ def read_run(results_path: Path) -> Run:
         samples[task] = _samples(folder, date, task, metric)
         traced = _attach_traces(folder, date, task, samples[task]) or traced
     limit = config.get("limit")
-    return Run(folder, name, single, members, outcomes, samples, {t: limit for t in samples}, traced)
+    groups = results.get("group_subtasks", {})
+    leaves = {task: _leaves_of(task, groups) for task in outcomes}
+    return Run(folder, name, single, members, outcomes, samples, {t: limit for t in samples}, traced, leaves)
 
 
 def read_runs(folders: Sequence[Path]) -> list[Run]:

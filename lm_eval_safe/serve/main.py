@@ -161,10 +161,10 @@ def build(
 
 def serving_rows(options: Any, raw: dict[str, Any], members: Sequence[Any] = ()) -> int:
     """Rows decoded together: ``batch_size`` when given as a number, else ``max_batch_size``
-    (default 64), at most what each engine's members hold at once (vLLM's request slots, one
-    kept free): continuous batching keeps the batch as full as the clients make it."""
+    (default 64), at most what each engine's members hold at once beside a request's scoring
+    (vLLM's request slots and llama.cpp's sequences, one kept free): continuous batching keeps
+    the batch as full as the clients make it."""
     from lm_eval_safe.engines import serving_rows as engine_rows
 
-    if raw.get("batch_size") not in (None, "") and options.batch_size != "auto":
-        return max(1, int(options.batch_size))
-    return engine_rows(options, members)
+    typed = raw.get("batch_size") not in (None, "") and options.batch_size != "auto"
+    return engine_rows(options, members, max(1, int(options.batch_size)) if typed else None)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lm_eval_safe.engines.spec import EngineSpec, LoadedMember, MemberLoad
+from lm_eval_safe.engines.spec import EngineSpec, Instruments, LoadedMember, MemberLoad
 from lm_eval_safe.errors import OptionError
 from lm_eval_safe.model_args import as_number, choice
 
@@ -51,10 +51,10 @@ class TransformersSpec(EngineSpec):
 
         return auto_generation_rows(list(members), list(jobs))
 
-    def instruments(self) -> Any:
+    def instruments(self) -> Instruments:
         from lm_eval_safe.engines.hf import instruments
 
-        return instruments
+        return instruments  # a module: it has every name of the protocol
 
     def thread_device(self, member: Any) -> Any:
         return member.engine.input_device

@@ -11,7 +11,8 @@ llama-cpp-python's low-level API, the file loaded as it is (no de-quantized copy
   gets the distributions it gets alone (:mod:`.slots`).
 
 Modules: :mod:`.native` (the C API in one place), :mod:`.slots`, :mod:`.batch`, :mod:`.scoring`,
-:mod:`.engine`, :mod:`.loading`, :mod:`.options` (llama.cpp's option names and their checks).
+:mod:`.engine`, :mod:`.loading`, :mod:`.options` (llama.cpp's option names and their checks),
+:mod:`.binding` (the tested llama-cpp-python releases and the fields the exactness rests on).
 This module stays light: llama-cpp-python and torch are imported when a member loads.
 """
 
@@ -23,9 +24,7 @@ from typing import Any
 from lm_eval_safe.engines.llama_cpp.options import DEFAULTS, parse_option
 from lm_eval_safe.engines.spec import EngineSpec, LoadedMember, MemberLoad
 from lm_eval_safe.errors import OptionError
-
-#: llama-cpp-python releases this engine is tested on (the ``llama-cpp`` extra's range)
-TESTED = ("0.3.36", "0.4")
+from lm_eval_safe.sources import MemberSource
 
 
 class LlamaCppSpec(EngineSpec):
@@ -35,22 +34,27 @@ class LlamaCppSpec(EngineSpec):
     def parse_option(self, key: str, value: Any) -> Any:
         return parse_option(key, value)
 
-    def check_versions(self) -> None:
-        from importlib.metadata import PackageNotFoundError, version
-
-        from packaging.version import Version
-
-        from lm_eval_safe.engines.llama_cpp.loading import INSTALL_HINT
-
-        try:
-            found = Version(version("llama-cpp-python"))
-        except PackageNotFoundError:
-            raise OptionError(INSTALL_HINT) from None
-        low, high = (Version(v) for v in TESTED)
-        if not low <= found < high:
+    def check_options(self, options: Any) -> None:
+        """A row holds one of a member's ``n_seq_max`` sequences from its first id to its last,
+        so a batch of more rows would fail in the middle of a run: refused here."""
+        rows = options.batch_size
+        if rows != "auto" and int(rows) > options.n_seq_max:
             raise OptionError(
-                f"engine=llama_cpp is tested on llama-cpp-python >={low},<{high}; found {found}: "
-                f"pip install 'llama-cpp-python>={low},<{high}'"
+                f"batch_size={rows} is more rows than llama.cpp's n_seq_max={options.n_seq_max} "
+                f"sequences (one a row): give n_seq_max={rows}, or batch_size={options.n_seq_max} or auto"
+            )
+
+    def check_versions(self) -> None:
+        from lm_eval_safe.engines.llama_cpp.binding import check_binding
+
+        check_binding()
+
+    def check_source(self, source: MemberSource) -> None:
+        if source.kind != "gguf":
+            raise OptionError(
+                f"member {source.spec!r} is a {source.kind} checkpoint: engine=llama_cpp loads GGUF "
+                "files (an alias, a .gguf file, or a GGUF model of Ollama, LM Studio or the Hugging "
+                "Face cache: `lm-eval-safe models`); put it on another engine with engines="
             )
 
     def load(self, load: MemberLoad, **settings: Any) -> LoadedMember:
@@ -63,7 +67,16 @@ class LlamaCppSpec(EngineSpec):
         return min(len(m.engine.slots.busy) for m in members)
 
     def serving_rows(self, members: Sequence[Any]) -> int | None:
-        return self.generation_rows(members, [])
+        """One sequence fewer than each member holds: a request's scoring (``echo`` with
+        ``logprobs``) runs between two decoding cycles and takes a sequence of its own, which
+        rows holding every one would starve."""
+        held = self.generation_rows(members, [])
+        if held < 2:
+            raise OptionError(
+                "the server scores requests on a llama.cpp sequence of its own beside the rows: "
+                "give n_seq_max=2 or more"
+            )
+        return held - 1
 
     def thread_device(self, member: Any) -> Any:
         import torch

@@ -8,21 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_safe.disk_cache import cache_root, cached_folder
+from lm_eval_safe.engines.llama_cpp.binding import require_llama_cpp
 from lm_eval_safe.engines.llama_cpp.options import DEFAULTS, threads
 from lm_eval_safe.errors import OptionError
-
-INSTALL_HINT = (
-    "engine=llama_cpp needs llama-cpp-python: pip install 'lm-eval-safe[llama-cpp]' "
-    "(built from source: needs cmake and a C++ compiler), or bash scripts/setup.sh --llama-cpp"
-)
-
-
-def require_llama_cpp() -> None:
-    from importlib.util import find_spec
-
-    if find_spec("llama_cpp") is None:
-        raise OptionError(INSTALL_HINT)
-
 
 #: Part of every text-side folder name; bump when what the folder holds changes
 TEXT_FORMAT = 1
@@ -105,12 +93,7 @@ def load_gguf(
     from lm_eval_safe.members import config_max_length
 
     source = load.source
-    if source.kind != "gguf":
-        raise OptionError(
-            f"member {source.spec!r}: engine=llama_cpp loads GGUF files (an alias, a .gguf file, "
-            "or a GGUF model of Ollama, LM Studio or the Hugging Face cache: `lm-eval-safe models`)"
-        )
-    path = Path(source.location)
+    path = Path(source.location)  # a GGUF file (the spec's check_source)
     tokenizer, config, generation_config = text_side(
         path, load.trust_remote_code, cache_root(load.cache_dir), source.sha256
     )

@@ -10,29 +10,86 @@ one sequence per row.
 from __future__ import annotations
 
 import ctypes
+import logging
+import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from lm_eval_safe.engines.llama_cpp.binding import set_fields
+
+logger = logging.getLogger(__name__)
+
+#: ggml's log levels (``enum ggml_log_level`` of ggml.h): a ``CONT`` piece continues the line
+#: before it
+DEBUG, INFO, WARN, ERROR, CONT = 1, 2, 3, 4, 5
+
+
+class Log:
+    """llama.cpp's log, kept instead of printed (it writes every tensor of every load): its last
+    warning and error lines, for this engine's error messages, and every line to this module's
+    logger at DEBUG (``logging.getLogger("lm_eval_safe.engines.llama_cpp.native")``)."""
+
+    def __init__(self, keep: int = 32):
+        self._kept: deque[tuple[int, int, str]] = deque(maxlen=keep)  # (number, level, line)
+        self._number = 0
+        self._level = INFO
+        self._partial = ""
+        self._lock = threading.Lock()
+
+    def __call__(self, level: int, text: bytes | None, user_data: Any) -> None:
+        piece = text.decode("utf-8", errors="replace") if text else ""
+        with self._lock:
+            if level != CONT:
+                self._level = level
+            self._partial += piece
+            while "\n" in self._partial:
+                line, self._partial = self._partial.split("\n", 1)
+                self._line(self._level, line.strip())
+
+    def _line(self, level: int, line: str) -> None:
+        if not line:
+            return
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("llama.cpp: %s", line)
+        if level in (WARN, ERROR):
+            self._number += 1
+            self._kept.append((self._number, level, line))
+
+    def mark(self) -> int:
+        """A point in the log: :meth:`words` reads what came after it."""
+        with self._lock:
+            return self._number
+
+    def words(self, since: int, most: int = 3) -> str:
+        """What llama.cpp logged after ``since`` (:meth:`mark`), as one line: its last ``most``
+        error lines, or its warnings where it wrote no error ('' where it wrote neither)."""
+        with self._lock:
+            if self._partial.strip():  # a last piece without its line end
+                self._line(self._level, self._partial.strip())
+                self._partial = ""
+            recent = [(level, line) for number, level, line in self._kept if number > since]
+        errors = [line for level, line in recent if level == ERROR]
+        return "; ".join((errors or [line for _, line in recent])[-most:])
+
+
+#: the one log of this process (llama.cpp has one log callback per process)
+LOG = Log()
 _BACKEND_READY = False
-
-
-def _quiet(level: int, text: bytes, user_data: Any) -> None:
-    """llama.cpp's log lines go nowhere (it prints every tensor of every load otherwise)."""
-
-
 _LOG_CALLBACK: Any = None
 
 
 def backend() -> Any:
-    """The ``llama_cpp`` module, its backend initialised once per process, its log silenced."""
+    """The ``llama_cpp`` module, its backend initialised once per process, its log kept by
+    :data:`LOG` instead of printed."""
     global _BACKEND_READY, _LOG_CALLBACK
     import llama_cpp
 
     if not _BACKEND_READY:
-        _LOG_CALLBACK = llama_cpp.llama_log_callback(_quiet)
+        _LOG_CALLBACK = llama_cpp.llama_log_callback(LOG)
         llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
         _BACKEND_READY = True
@@ -52,12 +109,31 @@ class ContextSettings:
     use_extra_bufts: bool = False
 
 
-class DecodeError(RuntimeError):
-    """``llama_decode`` refused a batch (1: no KV cells left for it)."""
+#: what each ``llama_decode`` return code means (llama.h); other negative codes: a failure
+DECODE_CODES = {
+    1: "no KV slot for the batch",
+    2: "aborted",
+    -1: "an invalid batch",
+}
 
-    def __init__(self, code: int):
-        super().__init__(f"llama_decode returned {code}")
+
+class DecodeError(RuntimeError):
+    """``llama_decode`` refused a batch: ``code`` as llama.h names it (1: no KV slot for the
+    batch; 2: aborted; -1: an invalid batch; below -1: a failure), and what llama.cpp logged."""
+
+    def __init__(self, code: int, words: str = ""):
         self.code = code
+        self.meaning = DECODE_CODES.get(code, "a failure inside llama.cpp")
+        self.words = words
+        said = f": {words}" if words else ""
+        super().__init__(f"llama_decode returned {code} ({self.meaning}){said}")
+
+
+def _context_hint(words: str) -> str:
+    """What to change after a failed context: its memory where llama.cpp ran out of it."""
+    if any(w in words.lower() for w in ("alloc", "memory")):
+        return "give a smaller n_ctx= or n_seq_max= (the KV cache holds n_seq_max x n_ctx cells)"
+    return "change what llama.cpp's words name among n_ctx=, n_batch=, n_seq_max=, flash_attn= and n_gpu_layers="
 
 
 class Model:
@@ -74,48 +150,67 @@ class Model:
         lib = backend()
         self.lib = lib
         params = lib.llama_model_default_params()
-        params.n_gpu_layers = n_gpu_layers
         # repacked weight layouts compute rows in groups of 4 and the rest apart, so a
         # position's logits would depend on how many ids share its decode (Gemma-3: by 3.6)
-        params.use_extra_bufts = settings.use_extra_bufts
+        set_fields(params, n_gpu_layers=n_gpu_layers, use_extra_bufts=settings.use_extra_bufts)
+        mark = LOG.mark()
         model = lib.llama_model_load_from_file(path.encode(), params)
         if not model:
-            raise OSError(f"llama.cpp could not load {path}")
+            words = LOG.words(mark) or "it logged no error"
+            raise OSError(
+                f"llama.cpp could not load {path} ({words}): check the file (download it again) "
+                "and that this llama.cpp knows its architecture"
+            )
         self.model = model
         self.vocab = lib.llama_model_get_vocab(model)
         #: the width of every logits row (the model's output layer; may differ from the tokenizer)
         self.n_vocab = int(lib.llama_vocab_n_tokens(self.vocab))
         self.settings = settings
         ctx_params = lib.llama_context_default_params()
-        ctx_params.n_ctx = settings.n_ctx * settings.n_seq_max
-        ctx_params.n_batch = settings.n_batch
-        ctx_params.n_ubatch = settings.n_batch
-        ctx_params.n_seq_max = settings.n_seq_max
-        ctx_params.n_threads = settings.n_threads
-        ctx_params.n_threads_batch = settings.n_threads
-        ctx_params.flash_attn_type = {
-            "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
-            "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
-            "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
-        }[settings.flash_attn]
-        ctx_params.kv_unified = False
-        # sliding-window layers keep every position, so a rollback to any earlier position is
-        # possible (a window-sized cache forgets what a rejected draft would return to)
-        ctx_params.swa_full = True
-        ctx_params.no_perf = True
+        set_fields(
+            ctx_params,
+            n_ctx=settings.n_ctx * settings.n_seq_max,
+            n_batch=settings.n_batch,
+            n_ubatch=settings.n_batch,
+            n_seq_max=settings.n_seq_max,
+            n_threads=settings.n_threads,
+            n_threads_batch=settings.n_threads,
+            flash_attn_type={
+                "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
+                "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+            }[settings.flash_attn],
+            kv_unified=False,
+            # sliding-window layers keep every position, so a rollback to any earlier position
+            # is possible (a window-sized cache forgets what a rejected draft would return to)
+            swa_full=True,
+            no_perf=True,
+        )
+        mark = LOG.mark()
         ctx = lib.llama_init_from_model(model, ctx_params)
         if not ctx:
             lib.llama_model_free(model)
             self.model = None
+            words = LOG.words(mark) or "it logged no error"
             raise OSError(
                 f"llama.cpp could not make a context of {settings.n_seq_max} sequences of "
-                f"{settings.n_ctx} ids for {path}: give a smaller n_ctx= or n_seq_max="
+                f"{settings.n_ctx} ids for {path} ({words}): {_context_hint(words)}"
             )
         self.ctx = ctx
         self.memory = lib.llama_get_memory(ctx)
         #: KV cells of each sequence
         self.n_ctx = settings.n_ctx
         self.n_batch = int(lib.llama_n_batch(ctx))
+        # read back what the context was made with: a decode of a block must be one micro-batch
+        # (the rows' exactness), and every row needs its sequence
+        made = {"n_ubatch": int(lib.llama_n_ubatch(ctx)), "n_seq_max": int(lib.llama_n_seq_max(ctx))}
+        wanted = {"n_ubatch": self.n_batch, "n_seq_max": settings.n_seq_max}
+        if made != wanted:
+            self.close()
+            raise OSError(
+                f"llama.cpp made the context of {path} with {made} where this engine set {wanted}: "
+                "this llama-cpp-python does not keep the settings rows need to be exact"
+            )
         self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
 
     # -- KV cache ------------------------------------------------------------------------
@@ -156,9 +251,10 @@ class Model:
                 if wants:
                     flagged.append(i)
             batch.n_tokens = len(chunk)
+            mark = LOG.mark()
             code = int(lib.llama_decode(self.ctx, batch))
             if code != 0:
-                raise DecodeError(code)
+                raise DecodeError(code, LOG.words(mark))
             for i in flagged:
                 pointer = lib.llama_get_logits_ith(self.ctx, i)
                 row = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))

@@ -138,9 +138,15 @@ class Slots:
                 self.model.remove(feed.slot, feed.start)
                 self.cached[feed.slot] = self.cached[feed.slot][: feed.start]
                 self.canonical[feed.slot] = min(self.canonical[feed.slot], feed.start // self.block * self.block)
+            if exc.code == 1:
+                said = f"; llama.cpp: {exc.words}" if exc.words else ""
+                raise RuntimeError(
+                    f"llama.cpp found no KV slot for this batch ({self.model.n_ctx} cells for each "
+                    f"sequence{said}): give a larger n_ctx="
+                ) from exc
             raise RuntimeError(
-                f"llama.cpp has no KV cells left for this batch ({self.model.n_ctx} ids for each "
-                "sequence): give a larger n_ctx="
+                f"llama.cpp refused a decode: {exc}; the member's cache was rolled back to before "
+                "it (report this with the words above where they do not say what to change)"
             ) from exc
 
     def forget(self) -> bool:

@@ -1,0 +1,214 @@
+"""What goes wrong with ``engine=llama_cpp`` is said before any member loads, in one line, and
+what goes wrong inside llama.cpp is said in llama.cpp's own words: its log lines in a failed
+load or context, each ``llama_decode`` return code named for what llama.h says it is, and a
+binding whose structures lack the fields the rows' exactness rests on refused.
+
+The option checks need nothing installed; the binding and log checks need llama-cpp-python
+(skipped without it), the decode and context checks also the real SmolLM2 GGUF (``real``)."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from helpers import make_lm
+
+from lm_eval_safe import engines
+from lm_eval_safe.errors import OptionError
+from lm_eval_safe.options import parse_options
+
+
+def _one_line(exc: pytest.ExceptionInfo[BaseException]) -> str:
+    text = str(exc.value)
+    assert "\n" not in text, text
+    return text
+
+
+# -- before loading --------------------------------------------------------------------------
+def test_batch_size_above_n_seq_max_is_refused_with_the_options() -> None:
+    """A row holds a sequence from its first id to its last: a batch of more rows than the
+    context has sequences would fail in the middle of a run."""
+    with pytest.raises(OptionError) as info:
+        parse_options({"members": "a", "engine": "llama_cpp", "batch_size": "8", "n_seq_max": "2"})
+    assert _one_line(info).startswith("batch_size=8 is more rows than llama.cpp's n_seq_max=2 sequences")
+    assert parse_options({"members": "a", "engine": "llama_cpp", "batch_size": "2", "n_seq_max": "2"}).batch_size == 2
+    assert parse_options({"members": "a", "engine": "llama_cpp", "batch_size": "auto", "n_seq_max": "2"}).n_seq_max == 2
+    parse_options({"members": "a", "batch_size": "8"})  # no member on llama.cpp: its n_seq_max is not a bound
+
+
+def test_a_member_llama_cpp_cannot_load_is_refused_before_any_member_loads(
+    tiny_bpe_dir: Path, tiny_sp_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_loading(*_: Any, **__: Any) -> None:
+        raise AssertionError("a member was loaded before every member was checked")
+
+    monkeypatch.setattr(engines, "load_source", no_loading)
+    with pytest.raises(OptionError) as info:
+        make_lm(tiny_bpe_dir, tiny_sp_dir, engines="hf,llama_cpp")
+    assert _one_line(info) == (
+        f"member {str(tiny_sp_dir)!r} is a folder checkpoint: engine=llama_cpp loads GGUF files (an "
+        "alias, a .gguf file, or a GGUF model of Ollama, LM Studio or the Hugging Face cache: "
+        "`lm-eval-safe models`); put it on another engine with engines="
+    )
+    with pytest.raises(OptionError, match="is a folder checkpoint: engine=llama_cpp loads GGUF files"):
+        engines.load_member(str(tiny_bpe_dir), engine="llama_cpp")
+
+
+def test_load_member_runs_the_checks_load_members_runs(
+    tmp_path: Path, llama_cpp_installed: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The single-member path (tests, benchmarks): the GGUF header, then the engine's versions,
+    before anything loads."""
+    from lm_eval_safe.versions import ALLOW_UNTESTED, VersionError
+
+    monkeypatch.setattr(engines, "load_source", lambda *_, **__: pytest.fail("loaded"))
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"PK\x03\x04 a zip file")
+    with pytest.raises(OptionError, match="is not a valid GGUF file"):
+        engines.load_member(str(broken), engine="llama_cpp")
+    header = tmp_path / "header.gguf"
+    header.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + b"\0" * 32)
+    monkeypatch.delenv(ALLOW_UNTESTED, raising=False)
+    monkeypatch.setattr("importlib.metadata.version", lambda name: "0.3.20")
+    with pytest.raises(VersionError) as info:
+        engines.load_member(str(header), engine="llama_cpp")
+    assert "llama-cpp-python 0.3.20 is untested for engine=llama_cpp (tested: >=0.3.36,<0.4)" in _one_line(info)
+
+
+def test_the_server_keeps_a_sequence_for_scoring(caplog: pytest.LogCaptureFixture) -> None:
+    """A request's ``echo``+``logprobs`` scoring runs between two decoding cycles on a sequence
+    of its own: the server's rows leave one of each llama.cpp member's sequences free."""
+
+    def member(sequences: int) -> Any:
+        return SimpleNamespace(engine=SimpleNamespace(kind="llama_cpp", slots=SimpleNamespace(busy=[False] * sequences)))
+
+    opts = parse_options({"members": "a,b", "engine": "llama_cpp", "n_seq_max": "3"})
+    assert engines.serving_rows(opts, [member(3), member(3)]) == 2
+    assert engines.serving_rows(opts, [member(3), member(3)], asked=1) == 1
+    with caplog.at_level(logging.WARNING, logger="lm_eval_safe.engines"):
+        assert engines.serving_rows(opts, [member(3), member(3)], asked=3) == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "batch_size=3: the server decodes 2 rows at once (rows each engine serves: llama_cpp 2)"
+    ]
+    with pytest.raises(OptionError, match="a llama.cpp sequence of its own beside the rows: give n_seq_max=2"):
+        engines.serving_rows(opts, [member(1)])
+
+
+# -- the binding -----------------------------------------------------------------------------
+class _Narrow(ctypes.Structure):
+    _fields_ = [("n_ctx", ctypes.c_uint32), ("n_batch", ctypes.c_uint32)]
+
+
+def test_fields_a_structure_lacks_are_refused_not_set(llama_cpp_installed: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ctypes itself takes any name without a word; the engine's setter and its version check
+    refuse a binding that lacks the fields the rows' exactness rests on."""
+    import llama_cpp
+
+    from lm_eval_safe.engines.llama_cpp.binding import check_binding, missing_fields, set_fields
+
+    narrow = _Narrow()
+    narrow.kv_unified = False  # what a binding without the field would silently accept
+    with pytest.raises(OptionError) as info:
+        set_fields(_Narrow(), n_ctx=64, kv_unified=False, swa_full=True)
+    assert "lacks _Narrow.kv_unified, _Narrow.swa_full, which engine=llama_cpp sets" in _one_line(info)
+    assert missing_fields(llama_cpp) == []
+    check_binding()  # the installed binding has every field
+    monkeypatch.setattr(llama_cpp, "llama_context_params", _Narrow)
+    with pytest.raises(OptionError) as info:
+        check_binding()
+    text = _one_line(info)
+    assert "lacks llama_context_params.n_ubatch" in text and "llama_context_params.kv_unified" in text
+    assert "llama_context_params.swa_full" in text and "(tested: >=0.3.36,<0.4)" in text
+
+
+def test_llama_cpps_log_is_kept_for_its_errors() -> None:
+    from lm_eval_safe.engines.llama_cpp.native import CONT, ERROR, INFO, WARN, Log
+
+    log = Log()
+    log(INFO, b"llama_model_loader: loaded meta data\n", None)
+    log(ERROR, b"gguf_init_from_reader: failed ", None)
+    log(CONT, b"to read header\n", None)
+    log(WARN, b"a warning\n", None)
+    log(ERROR, b"llama_model_load: error loading model\n", None)
+    assert log.words(0) == "gguf_init_from_reader: failed to read header; llama_model_load: error loading model"
+    mark = log.mark()
+    assert log.words(mark) == ""
+    log(WARN, b"decode: failed to find a memory slot for batch of size 44\n", None)
+    log(INFO, b"not kept\n", None)
+    assert log.words(mark) == "decode: failed to find a memory slot for batch of size 44"  # no error: its warnings
+
+
+def test_a_failed_load_says_what_llama_cpp_logged(tmp_path: Path, llama_cpp_installed: None) -> None:
+    from lm_eval_safe.engines.llama_cpp.native import ContextSettings, Model
+
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + b"garbage")
+    with pytest.raises(OSError) as info:
+        Model(str(path), 0, ContextSettings(n_ctx=64, n_batch=8, n_seq_max=1, n_threads=1, flash_attn="on"))
+    assert _one_line(info).startswith(f"llama.cpp could not load {path} (gguf_init_from_reader: failed to read header; ")
+
+
+# -- llama.cpp's words with a real model -----------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2(llama_cpp_installed: None, models: Path) -> str:
+    from lm_eval_safe.sources import resolve_source
+
+    return resolve_source("smollm2-135m").location
+
+
+@pytest.mark.real
+@pytest.mark.llama_cpp
+def test_a_failed_context_says_what_llama_cpp_logged(smollm2: str) -> None:
+    from lm_eval_safe.engines.llama_cpp.native import ContextSettings, Model
+
+    with pytest.raises(OSError) as info:  # past llama.cpp's bound (the options refuse it first)
+        Model(smollm2, 0, ContextSettings(n_ctx=16, n_batch=8, n_seq_max=300, n_threads=1, flash_attn="on"))
+    text = _one_line(info)
+    assert "failed to initialize the context: n_seq_max must be <= 256" in text
+    assert "give a smaller n_ctx=" not in text  # not a memory failure: not blamed on memory
+
+
+@pytest.mark.real
+@pytest.mark.llama_cpp
+def test_each_decode_code_is_named_for_what_it_is(smollm2: str) -> None:
+    """1: no KV slot (a sequence past its cells: llama.cpp gives each at least 256); -1: an
+    invalid batch (a token id past the vocabulary). Either way the sequence is rolled back to
+    before the failed feed."""
+    from lm_eval_safe.engines.llama_cpp.native import ContextSettings, Model
+    from lm_eval_safe.engines.llama_cpp.slots import Feed, Slots
+
+    model = Model(smollm2, 0, ContextSettings(n_ctx=32, n_batch=64, n_seq_max=2, n_threads=2, flash_attn="on"))
+    try:
+        slots = Slots(model, batch_rows=False)
+        slots.decode([Feed(0, 0, [1] * 200, [199])])
+        with pytest.raises(RuntimeError) as info:
+            slots.decode([Feed(0, 200, [1] * 100, [299])])
+        assert _one_line(info).startswith("llama.cpp found no KV slot for this batch (32 cells for each sequence; llama.cpp: decode: failed to find a memory slot")
+        assert str(info.value).endswith("give a larger n_ctx=")
+        assert info.value.__cause__.code == 1 and slots.cached[0] == [1] * 200
+        with pytest.raises(RuntimeError) as info:
+            slots.decode([Feed(1, 0, [1, model.n_vocab + 5], [1])])
+        text = _one_line(info)
+        assert text.startswith(f"llama.cpp refused a decode: llama_decode returned -1 (an invalid batch): init: invalid token[1] = {model.n_vocab + 5}")
+        assert info.value.__cause__.code == -1 and slots.cached[1] == []
+    finally:
+        model.close()
+
+
+@pytest.mark.real
+@pytest.mark.llama_cpp
+def test_a_context_made_otherwise_than_asked_is_refused(smollm2: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The settings read back from the context: a micro-batch smaller than a block would cut a
+    block's decode in two (other logits), so such a context is refused."""
+    import llama_cpp
+
+    from lm_eval_safe.engines.llama_cpp.native import ContextSettings, Model
+
+    monkeypatch.setattr(llama_cpp, "llama_n_ubatch", lambda ctx: 32)
+    with pytest.raises(OSError) as info:
+        Model(smollm2, 0, ContextSettings(n_ctx=64, n_batch=64, n_seq_max=2, n_threads=1, flash_attn="on"))
+    assert "with {'n_ubatch': 32, 'n_seq_max': 2} where this engine set {'n_ubatch': 64, 'n_seq_max': 2}" in _one_line(info)
