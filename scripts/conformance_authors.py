@@ -132,9 +132,10 @@ def compare_setting(args: argparse.Namespace, setting: Setting, members: list[An
 
 
 def case_record(case: str, prompt: str, theirs: Outcome, ours: dict[str, Outcome]) -> dict[str, Any]:
-    record = {"id": case, "prompt_sha256": prompt_digest(prompt), "authors": outcome_dict(theirs)}
+    """The authors' code's outcome and each ``reference``'s (``reference_paper``, ``reference_authors``)."""
+    record = {"id": case, "prompt_sha256": prompt_digest(prompt), "authors_code": outcome_dict(theirs)}
     for reference, outcome in ours.items():
-        record[reference] = {**outcome_dict(outcome), "same_as_authors": outcome.same_as(theirs)}
+        record[f"reference_{reference}"] = {**outcome_dict(outcome), "same_as_authors_code": outcome.same_as(theirs)}
     mark = {r: "same" if o.same_as(theirs) else "DIFF" for r, o in ours.items()}
     print(f"  {case:34s} paper {mark['paper']:4s}  authors {mark['authors']:4s}  points {theirs.points}", flush=True)
     for reference, outcome in ours.items():
@@ -148,7 +149,7 @@ def summary(settings: list[dict[str, Any]]) -> None:
     print("|---|---:|---:|---:|")
     for s in settings:
         n = len(s["cases"])
-        same = {r: sum(c[r]["same_as_authors"] for c in s["cases"]) for r in ("paper", "authors")}
+        same = {r: sum(c[f"reference_{r}"]["same_as_authors_code"] for c in s["cases"]) for r in ("paper", "authors")}
         print(f"| {s['name']} | {n} | {same['paper']}/{n} | {same['authors']}/{n} |")
 
 
