@@ -43,7 +43,10 @@ import transformers
 from lm_eval_safe.bench.conformance import (
     AUTHORS_SHARPEN,
     DRAFT_LEN,
+    DTYPE,
     SETTINGS,
+    SHARPEN_LAMBDA,
+    TOP_K,
     Outcome,
     Setting,
     authors_outcome,
@@ -57,6 +60,10 @@ from lm_eval_safe.engines import load_member
 from lm_eval_safe.sources import content_identity
 
 RUNNER = Path(__file__).with_name("authors_runner.py")
+AUTHORS_CODE = (
+    "SAFE/safe_generate_unite.py and safe_generate_gac.py of the paper's repository at revision 1c8dc8d "
+    "(the copy under SAFE/ of zeyuji/LLM-PeerReview), unchanged; run-time changes: scripts/authors_runner.py"
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -174,9 +181,16 @@ def main() -> None:
 
 
 def write_record(args: argparse.Namespace, identities: dict[str, Any], authors_versions: dict[str, Any], results: list[dict[str, Any]]) -> None:
-    shared = {"draft_len": DRAFT_LEN, "gsm8k": args.gsm8k, "bbh_per_task": args.bbh_per_task}
+    shared = {
+        "draft_len": DRAFT_LEN, "gsm8k": args.gsm8k, "bbh_per_task": args.bbh_per_task, "top_k": TOP_K,
+        "sharpen_lambda": SHARPEN_LAMBDA, "gamma": DRAFT_LEN, "dtype": DTYPE, "device": "cpu",
+        "chat_template": False, "until": [], "use_cache": True,
+    }  # fmt: skip
     versions = {"authors_side": authors_versions, "project_side": {"transformers": transformers.__version__, "torch": torch.__version__}}
-    record = {"shared": shared, "members": identities, "versions": versions, "settings": results}
+    record = {
+        "made_by": "scripts/conformance_authors.py (its docstring says how)",
+        "authors_code": AUTHORS_CODE, "shared": shared, "members": identities, "versions": versions, "settings": results,
+    }  # fmt: skip
     args.write.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"wrote {args.write}", flush=True)
 
