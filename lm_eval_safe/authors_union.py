@@ -32,13 +32,20 @@ def _byte_level(vocab: dict[str, int]) -> bool:
     return sum(t.startswith("Ġ") for t in vocab) > sum(t.startswith("▁") for t in vocab)
 
 
-def byte_tokens(tokenizer: Any) -> dict[str, int]:
+def byte_tokens(tokenizer: Any, name: str) -> dict[str, int]:
     """Their ``check_byte_mappings``: the byte names and each one's id."""
     vocab = tokenizer.get_vocab()
     if _byte_level(vocab):
-        return {
-            _byte_name(b): tokenizer.convert_tokens_to_ids(tokenizer.tokenize(chr(b)))[0] for b in range(128)
-        }
+        found = {}
+        for b in range(128):
+            ids = tokenizer.convert_tokens_to_ids(tokenizer.tokenize(chr(b)))
+            if not ids:
+                raise ValueError(
+                    f"member {name!r}'s tokenizer gives no token for byte {_byte_name(b)}, where the "
+                    "authors' union needs one token per byte"
+                )
+            found[_byte_name(b)] = ids[0]
+        return found
     found = {}
     for b in range(256):
         name = _byte_name(b)
@@ -101,7 +108,7 @@ class AuthorsUnion:
 
     @classmethod
     def build(cls, members: list[Member]) -> AuthorsUnion:
-        bytes_of = [byte_tokens(m.tokenizer) for m in members]
+        bytes_of = [byte_tokens(m.tokenizer, m.name) for m in members]
         strings = [_raw_strings(m.tokenizer, b, m.name) for m, b in zip(members, bytes_of, strict=True)]
         index: dict[str, int] = {_byte_name(b): b for b in range(256)}
         for table in strings:

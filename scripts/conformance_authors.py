@@ -43,7 +43,10 @@ import transformers
 from lm_eval_safe.bench.conformance import (
     AUTHORS_SHARPEN,
     DRAFT_LEN,
+    DTYPE,
     SETTINGS,
+    SHARPEN_LAMBDA,
+    TOP_K,
     Outcome,
     Setting,
     authors_outcome,
@@ -57,6 +60,10 @@ from lm_eval_safe.engines import load_member
 from lm_eval_safe.sources import content_identity
 
 RUNNER = Path(__file__).with_name("authors_runner.py")
+AUTHORS_CODE = (
+    "SAFE/safe_generate_unite.py and safe_generate_gac.py of the paper's repository at revision 1c8dc8d "
+    "(the copy under SAFE/ of zeyuji/LLM-PeerReview), unchanged; run-time changes: scripts/authors_runner.py"
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -132,9 +139,10 @@ def compare_setting(args: argparse.Namespace, setting: Setting, members: list[An
 
 
 def case_record(case: str, prompt: str, theirs: Outcome, ours: dict[str, Outcome]) -> dict[str, Any]:
-    record = {"id": case, "prompt_sha256": prompt_digest(prompt), "authors": outcome_dict(theirs)}
+    """The authors' code's outcome and each ``reference``'s (``reference_paper``, ``reference_authors``)."""
+    record = {"id": case, "prompt_sha256": prompt_digest(prompt), "authors_code": outcome_dict(theirs)}
     for reference, outcome in ours.items():
-        record[reference] = {**outcome_dict(outcome), "same_as_authors": outcome.same_as(theirs)}
+        record[f"reference_{reference}"] = {**outcome_dict(outcome), "same_as_authors_code": outcome.same_as(theirs)}
     mark = {r: "same" if o.same_as(theirs) else "DIFF" for r, o in ours.items()}
     print(f"  {case:34s} paper {mark['paper']:4s}  authors {mark['authors']:4s}  points {theirs.points}", flush=True)
     for reference, outcome in ours.items():
@@ -148,7 +156,7 @@ def summary(settings: list[dict[str, Any]]) -> None:
     print("|---|---:|---:|---:|")
     for s in settings:
         n = len(s["cases"])
-        same = {r: sum(c[r]["same_as_authors"] for c in s["cases"]) for r in ("paper", "authors")}
+        same = {r: sum(c[f"reference_{r}"]["same_as_authors_code"] for c in s["cases"]) for r in ("paper", "authors")}
         print(f"| {s['name']} | {n} | {same['paper']}/{n} | {same['authors']}/{n} |")
 
 
@@ -173,9 +181,16 @@ def main() -> None:
 
 
 def write_record(args: argparse.Namespace, identities: dict[str, Any], authors_versions: dict[str, Any], results: list[dict[str, Any]]) -> None:
-    shared = {"draft_len": DRAFT_LEN, "gsm8k": args.gsm8k, "bbh_per_task": args.bbh_per_task}
+    shared = {
+        "draft_len": DRAFT_LEN, "gsm8k": args.gsm8k, "bbh_per_task": args.bbh_per_task, "top_k": TOP_K,
+        "sharpen_lambda": SHARPEN_LAMBDA, "gamma": DRAFT_LEN, "dtype": DTYPE, "device": "cpu",
+        "chat_template": False, "until": [], "use_cache": True,
+    }  # fmt: skip
     versions = {"authors_side": authors_versions, "project_side": {"transformers": transformers.__version__, "torch": torch.__version__}}
-    record = {"shared": shared, "members": identities, "versions": versions, "settings": results}
+    record = {
+        "made_by": "scripts/conformance_authors.py (its docstring says how)",
+        "authors_code": AUTHORS_CODE, "shared": shared, "members": identities, "versions": versions, "settings": results,
+    }  # fmt: skip
     args.write.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"wrote {args.write}", flush=True)
 
