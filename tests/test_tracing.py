@@ -131,9 +131,9 @@ def test_real_pair_on_bbh_traces_every_point_and_keeps_its_texts(
     monkeypatch: pytest.MonkeyPatch,
     request: pytest.FixtureRequest,
 ) -> None:
-    """The default members on a few BBH questions through lm-eval, traced and not, on each
-    engine: the same responses, and every ensemble point that safe_stats counts is in the traces
-    once."""
+    """The default members on a few BBH questions through lm-eval (decoded together), traced
+    and not, on each engine: the same responses, and every ensemble point that safe_stats counts
+    is in the traces once."""
     if engine == "llama_cpp":
         request.getfixturevalue("llama_cpp_installed")
     import lm_eval
@@ -149,7 +149,7 @@ def test_real_pair_on_bbh_traces_every_point_and_keeps_its_texts(
         tracker = EvaluationTracker(output_path=str(tmp_path / f"trace-{trace}"))
         results = lm_eval.simple_evaluate(
             model="safe-ensemble",
-            model_args=f"members=smollm2-135m,gemma3-270m,engine={engine},trace={str(trace).lower()}",
+            model_args=f"members=smollm2-135m,gemma3-270m,engine={engine},batch_size=3,trace={str(trace).lower()}",
             tasks=["safe_bbh_navigate"],
             task_manager=manager,
             limit=3,
