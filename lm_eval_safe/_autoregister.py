@@ -13,13 +13,13 @@ execute. Nothing of lm-eval, torch or transformers is imported until lm-eval its
   preceding key, with the package's one parser (:mod:`lm_eval_safe.options`).
 - ``lm_eval.loggers.evaluation_tracker``: give ensemble runs a stable output folder name
   instead of a random id (lm-eval only knows ``pretrained=``-style keys); tell
-  :mod:`lm_eval_safe.tracing` where samples go and when a task's samples file is written.
+  :mod:`lm_eval_safe.decoder.tracing` where samples go and when a task's samples file is written.
 - ``lm_eval.evaluator`` (lm-eval 0.4.9 only): keep the backend's configuration and
   ``safe_stats`` in the results, as 0.4.10+ does by itself.
 
 The one import circle of the package runs through here, and must: the package's
 ``register()`` (:mod:`lm_eval_safe`) calls this module, which reaches up to
-:mod:`lm_eval_safe.model` (lm-eval 0.4.9's registry holds classes), which imports the package's
+:mod:`lm_eval_safe.harness.model` (lm-eval 0.4.9's registry holds classes), which imports the package's
 version. The imports that close it run inside functions, only once lm-eval is there, so the
 ``.pth`` file's import of this module stays as light as it must be.
 """
@@ -34,7 +34,7 @@ from typing import Any
 
 from lm_eval_safe import MODEL_NAME
 
-PLACEHOLDER = "lm_eval_safe.model:SafeEnsembleLM"
+PLACEHOLDER = "lm_eval_safe.harness.model:SafeEnsembleLM"
 
 
 def register_model() -> None:
@@ -62,7 +62,7 @@ def register_model() -> None:
         if MODEL_NAME not in registry.model_registry:
             registry.model_registry.register(MODEL_NAME, target=PLACEHOLDER)
     else:
-        from lm_eval_safe.model import SafeEnsembleLM
+        from lm_eval_safe.harness.model import SafeEnsembleLM
 
         registry.MODEL_REGISTRY.setdefault(MODEL_NAME, SafeEnsembleLM)
 
@@ -101,20 +101,20 @@ def _patch_tracker(module: ModuleType) -> None:
 
     tracker._get_model_name = staticmethod(_get_model_name)
 
-    # trace=true (lm_eval_safe.tracing): traces go where the tracker writes samples, and each
+    # trace=true (lm_eval_safe.decoder.tracing): traces go where the tracker writes samples, and each
     # task's trace file is renamed to pair with its samples file once lm-eval names that
     evaluation = module.EvaluationTracker
     original_init, original_save = evaluation.__init__, evaluation.save_results_samples
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
-        from lm_eval_safe import tracing
+        from lm_eval_safe.decoder import tracing
 
         tracing.note_tracker(self)
 
     def save_results_samples(self: Any, task_name: str, samples: Any) -> None:
         original_save(self, task_name, samples)
-        from lm_eval_safe import tracing
+        from lm_eval_safe.decoder import tracing
 
         tracing.samples_saved(self, task_name)
 
@@ -137,7 +137,7 @@ def _patch_evaluator(module: ModuleType) -> None:
     def add_tokenizer_info(storage: dict[str, Any], lm: Any) -> None:
         from lm_eval.api.model import CachingLM
 
-        from lm_eval_safe.model import SafeEnsembleLM
+        from lm_eval_safe.harness.model import SafeEnsembleLM
 
         model = lm.lm if isinstance(lm, CachingLM) else lm
         if isinstance(model, SafeEnsembleLM):

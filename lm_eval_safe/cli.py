@@ -1,7 +1,7 @@
 """``lm-eval-safe``: the ``lm_eval`` command with this project's tasks on the include path,
 ``lm-eval-safe report`` (one HTML page over lm-eval output folders), ``lm-eval-safe serve``
 (the ensemble behind an OpenAI-compatible server: :mod:`lm_eval_safe.serve`) and
-``lm-eval-safe models`` (the members this machine holds: :mod:`lm_eval_safe.stores`).
+``lm-eval-safe models`` (the members this machine holds: :mod:`lm_eval_safe.members.stores`).
 
 Same arguments as ``lm_eval``; ``--model`` defaults to ``safe-ensemble``. It exists so a user
 who cannot rely on the start-up hook (e.g. a read-only site-packages) still has one command.
@@ -42,7 +42,7 @@ def models(argv: list[str]) -> None:
     what SAFE ensembles)."""
     import json
 
-    from lm_eval_safe.stores import list_models, store_folders
+    from lm_eval_safe.members.stores import list_models, store_folders
 
     parser = argparse.ArgumentParser(
         prog="lm-eval-safe models",

@@ -144,7 +144,7 @@ def choice(value: Any, key: str, choices: tuple[str, ...]) -> str:
     return text
 
 
-#: member specs that name a model in a store (lm_eval_safe.stores), written ``PREFIX:REF``
+#: member specs that name a model in a store (lm_eval_safe.members.stores), written ``PREFIX:REF``
 STORE_PREFIXES = ("ollama:", "hf:", "lmstudio:")
 
 

@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from lm_eval_safe.bench.output import write_json_report  # noqa: E402
 from lm_eval_safe.bench.prompts import load_prompts  # noqa: E402
 from lm_eval_safe.bench.timing import timed  # noqa: E402
-from lm_eval_safe.model import SafeEnsembleLM  # noqa: E402
+from lm_eval_safe.harness.model import SafeEnsembleLM  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -143,7 +143,7 @@ def scores(results: dict[str, Any]) -> dict[str, float]:
 def reset_stores(lm: Any) -> None:
     """Empty every prefix cache (this package's stores, vLLM's), so that no run inherits the
     prompts an earlier run computed, and start the run's statistics afresh."""
-    from lm_eval_safe.stats import GenerationStats
+    from lm_eval_safe.decoder.stats import GenerationStats
 
     for member in lm.members:
         member.engine.forget_prefixes()
@@ -178,7 +178,7 @@ class Bench:
 def load_safe_models(bench: Bench, skip: set[str]) -> None:
     """The ``safe-ensemble`` runs: the drafter alone, the ensemble, and on another engine than
     transformers the same ensemble on transformers."""
-    from lm_eval_safe.model import SafeEnsembleLM
+    from lm_eval_safe.harness.model import SafeEnsembleLM
 
     args, batch = bench.args, bench.batch
     engine = bench.engine_args
@@ -206,7 +206,7 @@ def load_lm_eval_models(bench: Bench, skip: set[str]) -> None:
     from lm_eval.models.huggingface import HFLM
 
     from lm_eval_safe.engines.hf.batch import AUTO_CPU_ROWS
-    from lm_eval_safe.model import SafeEnsembleLM
+    from lm_eval_safe.harness.model import SafeEnsembleLM
 
     args, batch, models = bench.args, bench.batch, bench.models
     if bench.vllm and "vllm" not in skip:
@@ -241,7 +241,7 @@ def evaluate(bench: Bench, name: str, limit: int, log: bool = True) -> tuple[dic
     """One ``simple_evaluate`` of run ``name``, from empty prefix caches; with its wall time."""
     import lm_eval
 
-    from lm_eval_safe.model import SafeEnsembleLM
+    from lm_eval_safe.harness.model import SafeEnsembleLM
 
     lm, args = bench.models[name], bench.args
     if isinstance(lm, SafeEnsembleLM):
@@ -286,7 +286,7 @@ class Rounds:
 
 def timed_rounds(bench: Bench) -> Rounds:
     """``--repeats`` rounds over every run, the order reversed every other round."""
-    from lm_eval_safe.model import SafeEnsembleLM
+    from lm_eval_safe.harness.model import SafeEnsembleLM
 
     order = [name for name in RUNS if name in bench.models]
     rounds = Rounds({name: [] for name in order})
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     from lm_eval.models.huggingface import HFLM  # noqa: F401
     from lm_eval.tasks import TaskManager
 
-    from lm_eval_safe.model import SafeEnsembleLM  # noqa: F401
+    from lm_eval_safe.harness.model import SafeEnsembleLM  # noqa: F401
 
     task_manager = TaskManager(
         include_path=str(REPO_ROOT / "tasks"), metadata={"data_dir": args.data_dir}

@@ -58,7 +58,7 @@ import torch  # noqa: E402
 from lm_eval_safe.bench.host_work import CONFIGURATIONS, count_reads, measure, median_run  # noqa: E402
 from lm_eval_safe.bench.output import fmt, write_json_report  # noqa: E402
 from lm_eval_safe.bench.prompts import load_prompts  # noqa: E402
-from lm_eval_safe.decoding import GenerationJob, SafeDecoder  # noqa: E402
+from lm_eval_safe.decoder.loop import GenerationJob, SafeDecoder  # noqa: E402
 from lm_eval_safe.engines import load_member  # noqa: E402
 from lm_eval_safe.options import parse_options  # noqa: E402
 

@@ -139,8 +139,8 @@ def ours_generate(lm: Any, prompts: list[str], n: int) -> list[str]:
 
 
 def bench_member(alias: str, args: argparse.Namespace, questions: list[str], shots: list[str]) -> dict[str, Any]:
-    from lm_eval_safe.decoding import encoded_prompt
-    from lm_eval_safe.model import SafeEnsembleLM
+    from lm_eval_safe.decoder.loop import encoded_prompt
+    from lm_eval_safe.harness.model import SafeEnsembleLM
 
     base = f"members={alias},engine=llama_cpp,n_threads={args.threads},flash_attn={args.flash_attn}"
     gc.collect()

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from lm_eval_safe.model import SafeEnsembleLM
+    from lm_eval_safe.harness.model import SafeEnsembleLM
     from lm_eval_safe.model_args import parse_model_args
 
     if args.threads:

@@ -97,7 +97,7 @@ def main() -> None:
     import torch
     from lm_eval.models.huggingface import HFLM
 
-    from lm_eval_safe.model import SafeEnsembleLM
+    from lm_eval_safe.harness.model import SafeEnsembleLM
 
     torch.set_num_threads(args.threads)
     batch_size: int | str = args.batch_size if args.batch_size == "auto" else int(args.batch_size)

@@ -142,7 +142,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
-    from lm_eval_safe.model import SafeEnsembleLM
+    from lm_eval_safe.harness.model import SafeEnsembleLM
 
     rows = [json.loads(line) for line in (args.data_dir / "gsm8k" / "test.jsonl").read_text().splitlines()[: args.questions]]
     conversations = [[{"role": "user", "content": row["question"]}] for row in rows]

@@ -76,10 +76,10 @@ from lm_eval_safe.bench.speed import (  # noqa: E402
     time_union,
 )
 from lm_eval_safe.bench.speed_report import markdown, modelled, ratios, summarise  # noqa: E402
-from lm_eval_safe.decoding import SafeDecoder  # noqa: E402
+from lm_eval_safe.decoder.loop import SafeDecoder  # noqa: E402
 from lm_eval_safe.engines import load_member  # noqa: E402
 from lm_eval_safe.engines.registry import DEFAULT_ENGINE, engine_names  # noqa: E402
-from lm_eval_safe.members import Member  # noqa: E402
+from lm_eval_safe.members.member import Member  # noqa: E402
 from lm_eval_safe.model_args import resolve_drafter_index  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

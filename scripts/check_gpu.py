@@ -152,7 +152,7 @@ def prepare(tokenizers: Path, data_dir: Path, source_data: Path, rows: int) -> d
     the first ``rows`` GSM8K questions of the local data."""
     from transformers import AutoTokenizer
 
-    from lm_eval_safe.aliases import resolve_alias
+    from lm_eval_safe.members.aliases import resolve_alias
 
     source = source_data / "gsm8k" / "test.jsonl"
     if not source.is_file():

@@ -135,7 +135,7 @@ def check_requests(lm: Any, report: Report, max_gen_toks: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from lm_eval_safe.errors import OptionError
-    from lm_eval_safe.model import SafeEnsembleLM
+    from lm_eval_safe.harness.model import SafeEnsembleLM
 
     options: dict[str, Any] = {"members": args.members, "dtype": args.dtype}
     if args.device:

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from lm_eval_safe.bench.vllm_parity import compare_with_lm_eval_vllm, lm_eval_vllm_for
     from lm_eval_safe.engines import engine
-    from lm_eval_safe.model import SafeEnsembleLM
+    from lm_eval_safe.harness.model import SafeEnsembleLM
 
     engine(ENGINE).check_versions()  # one line before any engine starts
 

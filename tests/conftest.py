@@ -258,7 +258,7 @@ def tiny_loaded(tiny_bpe_dir: Path, tiny_sp_dir: Path) -> Loaded:
     """The two tiny tokenizers, loaded by path like the backend loads them."""
     from transformers import AutoTokenizer
 
-    from lm_eval_safe.vocabulary import TokenVocabulary
+    from lm_eval_safe.members.vocabulary import TokenVocabulary
 
     out: Loaded = {}
     for name, folder in (("tiny_bpe", tiny_bpe_dir), ("tiny_sp", tiny_sp_dir)):
@@ -277,8 +277,8 @@ def _real_tokenizer(alias: str, models_dir: Path) -> Any:
     """
     from transformers import AutoTokenizer
 
-    from lm_eval_safe.aliases import ALIASES
     from lm_eval_safe.disk_cache import cache_root
+    from lm_eval_safe.members.aliases import ALIASES
 
     gguf = ALIASES[alias].file
     stem = Path(gguf).stem
@@ -293,7 +293,7 @@ def real_loaded(real_models_dir: Path) -> Loaded:
     """The three real tokenizers (SmolLM2 byte BPE, Gemma 3 SentencePiece, Qwen byte BPE)."""
     import time
 
-    from lm_eval_safe.vocabulary import TokenVocabulary
+    from lm_eval_safe.members.vocabulary import TokenVocabulary
 
     out: Loaded = {}
     for alias in ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"):

@@ -101,7 +101,7 @@ def random_prompts(n: int, seed: int = 0) -> list[str]:
 
 
 def make_lm(*members: Path | str, **options: Any) -> Any:
-    from lm_eval_safe.model import SafeEnsembleLM
+    from lm_eval_safe.harness.model import SafeEnsembleLM
 
     return SafeEnsembleLM(members=[str(m) for m in members], device="cpu", **options)
 

@@ -108,7 +108,7 @@ def split_in_two(source: Path, folder: Path, stem: str) -> list[Path]:
     """``source`` as llama.cpp's split files, written by the gguf package's own writer."""
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
-    from lm_eval_safe.gguf_info import split_parts
+    from lm_eval_safe.members.gguf_info import split_parts
 
     reader = GGUFReader(source)
     folder.mkdir(parents=True)

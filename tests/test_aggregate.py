@@ -18,8 +18,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from lm_eval_safe.aggregate import Choice, UnionVocabulary, View, gac, unite
-from lm_eval_safe.vocabulary import EOS_KEY, TokenVocabulary
+from lm_eval_safe.ensemble.aggregate import Choice, UnionVocabulary, View, gac, unite
+from lm_eval_safe.members.vocabulary import EOS_KEY, TokenVocabulary
 
 EOS = "<eos>"  # marks a member's EOS token in the tables below
 

@@ -60,7 +60,7 @@ def pairs(models: Path) -> Pairs:
 def test_the_record_is_of_these_members_and_prompts(record: dict[str, Any], prompts: list[tuple[str, str]], pairs: Pairs) -> None:
     """The members' files are the ones the record came from (their pinned sha256), and the
     prompts rebuilt from the data are the ones it was made on."""
-    from lm_eval_safe.sources import content_identity, resolve_source
+    from lm_eval_safe.members.sources import content_identity, resolve_source
 
     for name, identity in record["members"].items():
         assert content_identity(resolve_source(name)) == identity, name
@@ -72,7 +72,7 @@ def test_the_record_is_of_these_members_and_prompts(record: dict[str, Any], prom
 def test_the_authors_gac_refuses_smollm2_in_one_line(pairs: Pairs) -> None:
     """Their union needs one token per byte 0x00-0x7F; SmolLM2's tokenizer gives several control
     bytes its unknown id (their code stops with "Multiple tokens/ Zero token found")."""
-    from lm_eval_safe.decoding import SafeDecoder
+    from lm_eval_safe.decoder.loop import SafeDecoder
     from lm_eval_safe.errors import OptionError
     from lm_eval_safe.options import parse_options
 
@@ -103,7 +103,7 @@ def test_the_authors_gac_union_of_qwen_and_gemma(pairs: Pairs) -> None:
     """Their union of raw vocabulary strings: Qwen's "Ġthe" and Gemma's "▁the" meet as " the";
     Qwen's "âĢĻ" (the bytes of "’" in the GPT-2 map) stays itself and never meets Gemma's "’";
     Qwen's newline token is the byte name "<0x0A>", apart from Gemma's own "\\n" token."""
-    from lm_eval_safe.authors_union import AuthorsUnion
+    from lm_eval_safe.ensemble.authors.union import AuthorsUnion
 
     members = pairs.get(("qwen2.5-coder-0.5b", "gemma3-270m"))
     union = AuthorsUnion.build(members)

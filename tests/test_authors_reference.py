@@ -18,10 +18,10 @@ import torch
 from helpers import gen_request, make_lm, random_prompts
 from transformers import AutoTokenizer
 
-from lm_eval_safe.aggregate import View
-from lm_eval_safe.authors_aggregate import AuthorsUnite
-from lm_eval_safe.authors_alignment import first_verified, paired_positions
-from lm_eval_safe.authors_union import special_prefix
+from lm_eval_safe.ensemble.aggregate import View
+from lm_eval_safe.ensemble.authors.aggregate import AuthorsUnite
+from lm_eval_safe.ensemble.authors.alignment import first_verified, paired_positions
+from lm_eval_safe.ensemble.authors.union import special_prefix
 from lm_eval_safe.errors import OptionError, RequestError
 
 
@@ -142,7 +142,7 @@ def test_each_members_eos_is_its_own_string() -> None:
     "x" 0.41 stops the response."""
     from test_aggregate import EOS, member
 
-    from lm_eval_safe.aggregate import unite as paper_unite
+    from lm_eval_safe.ensemble.aggregate import unite as paper_unite
 
     d = view(DRAFTER, {"<|im_end|>": 0.45, "x": 0.4, ".": 0.1})
     v = view(VERIFIER, {"<eos>": 0.45, "x": 0.42, ".": 0.1})

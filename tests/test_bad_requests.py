@@ -186,7 +186,7 @@ def test_alias_wheels_are_checked_against_the_pinned_sha256(
     """What setup.sh runs after installing the default members' wheels."""
     import hashlib
 
-    from lm_eval_safe import aliases
+    from lm_eval_safe.members import aliases
 
     parts = [tmp_path / "a.part", tmp_path / "b.part"]
     parts[0].write_bytes(b"GGUF first half ")

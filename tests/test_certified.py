@@ -3,8 +3,8 @@
 Why: a vLLM member returns only its ``K`` most probable ids per position. A decision the decoder
 takes from those heads (GaC's and UniTE's argmax, sharpening, SAFE's consensus skip) must be the
 one the full distributions give, or the engine changes texts silently. Each trial cuts random
-full distributions down to heads, asks :mod:`lm_eval_safe.certified`, and compares every
-certified answer with :func:`~lm_eval_safe.aggregate.gac` / :func:`~lm_eval_safe.aggregate.unite`
+full distributions down to heads, asks :mod:`lm_eval_safe.ensemble.certified`, and compares every
+certified answer with :func:`~lm_eval_safe.ensemble.aggregate.gac` / :func:`~lm_eval_safe.ensemble.aggregate.unite`
 run on the full distributions the heads came from. The vocabularies share strings and prefix
 families ("The", "Th", "T", "Then"), so sharpening triggers and members disagree.
 """
@@ -18,10 +18,15 @@ import pytest
 import torch
 from test_aggregate import member
 
-from lm_eval_safe.aggregate import UnionVocabulary, View, gac, unite
-from lm_eval_safe.certified import Interval, certified_consensus, certified_gac, certified_unite
 from lm_eval_safe.engines.base import TopLogprobs
-from lm_eval_safe.schedules import consensus
+from lm_eval_safe.ensemble.aggregate import UnionVocabulary, View, gac, unite
+from lm_eval_safe.ensemble.certified import (
+    Interval,
+    certified_consensus,
+    certified_gac,
+    certified_unite,
+)
+from lm_eval_safe.ensemble.consensus import consensus
 
 POOL = [
     "The", "Th", "T", "Then", "There", " the", " th", " t", " then", " cat", " ca", " c",

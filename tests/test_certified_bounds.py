@@ -1,7 +1,7 @@
 """Certified decisions on cases built to sit on the bounds they rest on, against the exact rules.
 
 Why: a decision taken from an engine's head (its ``K`` most probable ids and a few asked-about
-ones) must be the one :func:`~lm_eval_safe.aggregate.gac` / :func:`~lm_eval_safe.aggregate.unite`
+ones) must be the one :func:`~lm_eval_safe.ensemble.aggregate.gac` / :func:`~lm_eval_safe.ensemble.aggregate.unite`
 take on the whole distribution, or none at all. Random distributions (``test_certified.py``)
 almost never put a value exactly where a bound is; these generators do: many ids at exactly the
 K-th probability (an engine lists some of them, in its own order), a top-k place shared by
@@ -22,10 +22,15 @@ import pytest
 import torch
 from test_aggregate import GreedyTokenizer, vocabulary
 
-from lm_eval_safe.aggregate import UnionVocabulary, View, gac, unite
-from lm_eval_safe.certified import Interval, certified_consensus, certified_gac, certified_unite
 from lm_eval_safe.engines.base import TopLogprobs, row_probability_bounds
-from lm_eval_safe.schedules import consensus
+from lm_eval_safe.ensemble.aggregate import UnionVocabulary, View, gac, unite
+from lm_eval_safe.ensemble.certified import (
+    Interval,
+    certified_consensus,
+    certified_gac,
+    certified_unite,
+)
+from lm_eval_safe.ensemble.consensus import consensus
 
 #: Every member holds these, so a greedy longest match spells any string of POOL.
 LETTERS = ["T", "h", "e", "n", " ", "t", "a", "c", "x", "y", "1", "2"]

@@ -19,11 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lm_eval_safe import checkpoints, disk_cache
-from lm_eval_safe.aggregate import UnionVocabulary
+from lm_eval_safe import disk_cache
 from lm_eval_safe.engines.hf.loading import load_weights
-from lm_eval_safe.sources import MemberSource
-from lm_eval_safe.vocabulary import TokenVocabulary
+from lm_eval_safe.ensemble.aggregate import UnionVocabulary
+from lm_eval_safe.members import checkpoints
+from lm_eval_safe.members.sources import MemberSource
+from lm_eval_safe.members.vocabulary import TokenVocabulary
 
 GGUF_HEADER = b"GGUF" + (3).to_bytes(4, "little")
 
@@ -109,9 +110,9 @@ _BUILDER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from lm_eval_safe import checkpoints
+    from lm_eval_safe.members import checkpoints
     from lm_eval_safe.engines.hf.loading import load_weights
-    from lm_eval_safe.sources import MemberSource
+    from lm_eval_safe.members.sources import MemberSource
 
     tiny, gguf, cache, log, pause, stall = sys.argv[1:7]
     save = checkpoints._save_dequantized

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from helpers import gen_request, make_lm, run_gsm8k_cli, torchrun, write_apples_gsm8k
 
-from lm_eval_safe.stats import GenerationStats
+from lm_eval_safe.decoder.stats import GenerationStats
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ import pytest
 from helpers import gen_request, hf_greedy_text, make_lm, random_prompts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lm_eval_safe.draft_window import DraftWindow
+from lm_eval_safe.decoder.draft_window import DraftWindow
 from lm_eval_safe.errors import OptionError
 from lm_eval_safe.options import parse_options
 

@@ -10,8 +10,8 @@ import torch
 from helpers import as_full, gen_request, hf_greedy_text, make_lm, random_prompts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lm_eval_safe.decoder.member_runs import VerifierRun
 from lm_eval_safe.engines import load_member
-from lm_eval_safe.member_runs import VerifierRun
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,12 @@ import pytest
 import torch
 from test_aggregate import member
 
-from lm_eval_safe.aggregate import unite
-from lm_eval_safe.certified import certified_unite
-from lm_eval_safe.decoding import GenerationJob, SafeDecoder
+from lm_eval_safe.decoder.loop import GenerationJob, SafeDecoder
 from lm_eval_safe.engines import load_member
 from lm_eval_safe.engines.base import TopLogprobs, head_of, row_max_probability
 from lm_eval_safe.engines.hf.heads import EXACT_ARGMAX_LOGIT, Want, full_rows, largest, read_heads
+from lm_eval_safe.ensemble.aggregate import unite
+from lm_eval_safe.ensemble.certified import certified_unite
 from lm_eval_safe.options import parse_options
 
 
@@ -223,9 +223,9 @@ def test_short_drafter_heads_widen_and_decide_as_the_full_rows(
     decoder widens it to ``top_logprobs`` ids before asking for full rows. Every decision
     certified from a widened head equals the exact aggregator's on the full rows, and the texts
     equal those of a decoder that never widens (every such point decided on full rows)."""
-    from lm_eval_safe import ensembling
-    from lm_eval_safe.aggregate import View, gac
     from lm_eval_safe.engines.base import Complete
+    from lm_eval_safe.ensemble import ensembler as ensembling
+    from lm_eval_safe.ensemble.aggregate import View, gac
 
     members = [load_member(str(d), index=i) for i, d in enumerate((tiny_bpe_dir, tiny_sp_dir))]
     names = [m.name for m in members]

@@ -12,7 +12,7 @@ package's engine), where the leaderboard reads other backends' runs.
 Imports: the modules of ``lm_eval_safe`` import each other without a circle, every import
 counted (a function's too), and so do its rooms (a folder such as ``engines/`` or ``serve/``
 taken as one). The one circle is the start-up hook's: the ``.pth`` file imports
-:mod:`lm_eval_safe._autoregister`, which reaches :mod:`lm_eval_safe.model` only once lm-eval asks
+:mod:`lm_eval_safe._autoregister`, which reaches :mod:`lm_eval_safe.harness.model` only once lm-eval asks
 for the model, and the package's ``register()`` calls it (its docstring says why).
 """
 
@@ -84,7 +84,9 @@ PACKAGE = REPO / "lm_eval_safe"
 ENGINE_FOLDERS = sorted(p.name for p in (PACKAGE / "engines").iterdir() if (p / "__init__.py").is_file())
 #: where a string may equal an engine's name without naming one: lm-eval's own models
 LM_EVAL_MODEL_NAMES = {"lm_eval_safe/leaderboard/runs.py"}
-START_UP_HOOK = {"lm_eval_safe", "lm_eval_safe._autoregister", "lm_eval_safe.model"}
+START_UP_HOOK = {"lm_eval_safe", "lm_eval_safe._autoregister", "lm_eval_safe.harness.model"}
+#: the same circle among rooms: the model lies in the lm-eval room, ``harness/``
+START_UP_HOOK_ROOMS = {"lm_eval_safe", "lm_eval_safe._autoregister", "lm_eval_safe.harness"}
 
 
 def _module(path: Path) -> str:
@@ -209,4 +211,4 @@ def test_no_import_circles_among_modules_or_rooms() -> None:
     rooms: dict[str, set[str]] = {}
     for name, imported in graph.items():
         rooms.setdefault(_room(name), set()).update(_room(m) for m in imported if _room(m) != _room(name))
-    assert [c for c in _circles(rooms) if c != START_UP_HOOK] == []
+    assert [c for c in _circles(rooms) if c != START_UP_HOOK_ROOMS] == []

@@ -150,8 +150,8 @@ def test_tokenizer_kept_in_the_cache_tokenizes_as_llama_cpp(
     from llama_cpp import Llama
     from transformers import AutoConfig, AutoTokenizer
 
-    from lm_eval_safe.aliases import ALIASES
     from lm_eval_safe.engines.llama_cpp.loading import text_folder, text_side
+    from lm_eval_safe.members.aliases import ALIASES
 
     path = models / ALIASES[alias].file
     direct = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -329,7 +329,7 @@ def test_theorem_1_on_llama_cpp(llama_cpp_installed: None, models: Path) -> None
     position, on the default members on llama.cpp (``engine=llama_cpp`` through the registry)."""
     from helpers import gen_request
 
-    from lm_eval_safe.model import SafeEnsembleLM
+    from lm_eval_safe.harness.model import SafeEnsembleLM
 
     opts = {
         "members": "smollm2-135m,gemma3-270m",

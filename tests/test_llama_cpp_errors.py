@@ -155,7 +155,7 @@ def test_a_failed_load_says_what_llama_cpp_logged(tmp_path: Path, llama_cpp_inst
 # -- llama.cpp's words with a real model -----------------------------------------------------
 @pytest.fixture(scope="module")
 def smollm2(llama_cpp_installed: None, models: Path) -> str:
-    from lm_eval_safe.sources import resolve_source
+    from lm_eval_safe.members.sources import resolve_source
 
     return resolve_source("smollm2-135m").location
 

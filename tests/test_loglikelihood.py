@@ -284,7 +284,7 @@ def test_shared_context_runs_once(tiny_bpe_dir: Path, tiny_sp_dir: Path, batch_s
 def test_is_greedy_rule_uses_safes_consensus() -> None:
     """Two members, one segment: the drafter's tokens are its argmax; the verifier's are not.
     Rule (a) fails, so it is greedy only when rule (b) (mean own-token probability > 0.5) holds."""
-    from lm_eval_safe.loglikelihood import MemberScore, combine, greedy_rule
+    from lm_eval_safe.scoring.loglikelihood import MemberScore, combine, greedy_rule
 
     text = b" abc"
     drafter = MemberScore([math.log(0.9), math.log(0.95)], [True, True], [2, 4])

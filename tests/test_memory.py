@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from helpers import make_lm, random_prompts
 
-from lm_eval_safe import model as model_module
 from lm_eval_safe.bench.eos import mask_eos
 from lm_eval_safe.bench.memory import generate_with_probe
+from lm_eval_safe.harness import model as model_module
 
 
 def test_200_requests_of_256_tokens_keep_memory_flat(

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from lm_eval_safe.errors import OptionError
-from lm_eval_safe.model import SafeEnsembleLM
+from lm_eval_safe.harness.model import SafeEnsembleLM
 from lm_eval_safe.model_args import parse_model_args, stable_run_name
 from lm_eval_safe.options import parse_options
 
@@ -168,7 +168,7 @@ def test_drafter_by_name_and_index() -> None:
 
 
 def test_unknown_member_and_missing_file() -> None:
-    from lm_eval_safe.sources import resolve_source
+    from lm_eval_safe.members.sources import resolve_source
 
     with pytest.raises(OptionError, match="unknown member 'nosuchmodel'.*alias"):
         resolve_source("nosuchmodel")

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from helpers import SCHEDULES, gen_request, make_lm, random_prompts
 
-from lm_eval_safe import batch_driver
+from lm_eval_safe.decoder import batch_driver
+from lm_eval_safe.decoder.latency import CycleForwards, forward_depth
+from lm_eval_safe.decoder.overlap import overlap_enabled
 from lm_eval_safe.engines.hf import batch as hf_batch
 from lm_eval_safe.errors import OptionError
-from lm_eval_safe.latency import CycleForwards, forward_depth
 from lm_eval_safe.options import parse_options
-from lm_eval_safe.overlap import overlap_enabled
 
 # what overlap changes: forwards drafted ahead, so engine calls too, and the times
 FORWARD_COUNTS = {

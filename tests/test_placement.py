@@ -17,8 +17,8 @@ import torch
 from helpers import ll_request, make_lm
 
 from lm_eval_safe.errors import OptionError
-from lm_eval_safe.model import SafeEnsembleLM
-from lm_eval_safe.placement import Placement, plan_placement, resolve_device
+from lm_eval_safe.harness.model import SafeEnsembleLM
+from lm_eval_safe.members.placement import Placement, plan_placement, resolve_device
 
 REPO = Path(__file__).resolve().parents[1]
 MEMBERS = ["org/a", "/models/b"]
@@ -132,7 +132,7 @@ def test_member_devices_on_gpus_with_several_processes_is_refused(entries: list[
 
 
 def test_resolve_device_is_what_members_use() -> None:
-    from lm_eval_safe.placement import pick_device
+    from lm_eval_safe.members.placement import pick_device
 
     assert resolve_device("cpu:0", cuda_count=0) == "cpu"
     assert (
@@ -186,7 +186,7 @@ def test_device_map_member_is_loaded_by_accelerate_and_scores_the_same(
 
     On CPU ``auto`` plans plain cpu, so the plan is forced to ``device_map='auto'`` on cpu here:
     accelerate then keeps every layer on cpu, which exercises the loading and feeding code."""
-    import lm_eval_safe.model as model_module
+    import lm_eval_safe.harness.model as model_module
 
     requests = [
         ll_request("Tom has 3 apples and", c) for c in (" buys two more.", " sold 12 clips")

@@ -20,14 +20,14 @@ MATH_PROMPT = "Question: {q}\nAnswer: Let's think step by step."
 
 @pytest.fixture(scope="module")
 def smollm(models: Path):
-    from lm_eval_safe.model import SafeEnsembleLM
+    from lm_eval_safe.harness.model import SafeEnsembleLM
 
     return SafeEnsembleLM(members="smollm2-135m", device="cpu")
 
 
 @pytest.fixture(scope="module")
 def pair(models: Path):
-    from lm_eval_safe.model import SafeEnsembleLM
+    from lm_eval_safe.harness.model import SafeEnsembleLM
 
     return SafeEnsembleLM(members="smollm2-135m,gemma3-270m", device="cpu")
 
@@ -85,7 +85,7 @@ def test_member_alone_generates_what_lm_eval_hf_generates(
     the same weights: 2-shot GSM8K prompts, greedy, 32 new tokens, the same texts."""
     from lm_eval.models.huggingface import HFLM
 
-    from lm_eval_safe.model import SafeEnsembleLM
+    from lm_eval_safe.harness.model import SafeEnsembleLM
 
     alone = SafeEnsembleLM(members=member, device="cpu")
     folder = Path(alone.members[0].engine.model.name_or_path)
@@ -142,7 +142,7 @@ def test_pair_on_gsm8k_reports_stats(pair, shared_dir: Path) -> None:
 
 
 def test_three_real_members(models: Path) -> None:
-    from lm_eval_safe.model import SafeEnsembleLM
+    from lm_eval_safe.harness.model import SafeEnsembleLM
 
     lm = SafeEnsembleLM(members="gemma3-270m|smollm2-135m|qwen2.5-coder-0.5b", aggregator="gac", device="cpu")
     (out,) = lm.generate_until(
@@ -217,7 +217,7 @@ def test_prefix_reuse_keeps_bbh_texts(models: Path, shared_dir: Path) -> None:
     with shared-prefix reuse equal those with every prompt prefilled from scratch (float32),
     and the exemplars were prefilled once per member."""
     from lm_eval_safe.engines.hf.prefix_cache import BLOCK
-    from lm_eval_safe.model import SafeEnsembleLM
+    from lm_eval_safe.harness.model import SafeEnsembleLM
 
     bbh = shared_dir / "data" / "bbh"
     exemplars = (bbh / "cot-prompts" / "date_understanding.txt").read_text().split("-----\n", 1)[-1]

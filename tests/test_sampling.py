@@ -27,15 +27,15 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from lm_eval_safe.aggregate import Choice
-from lm_eval_safe.ensembling import Ensembler
-from lm_eval_safe.sampling import (
+from lm_eval_safe.ensemble.aggregate import Choice
+from lm_eval_safe.ensemble.ensembler import Ensembler
+from lm_eval_safe.ensemble.sampling import (
     RowSampler,
     SamplingParams,
     keep_or_resample,
     warp_logprobs,
 )
-from lm_eval_safe.vocabulary import EOS_KEY
+from lm_eval_safe.members.vocabulary import EOS_KEY
 
 MIN_P = 1e-3
 

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 from helpers import gen_request, make_lm, random_prompts
 
-from lm_eval_safe.errors import OptionError, RequestError
-from lm_eval_safe.sampling import (
+from lm_eval_safe.ensemble.sampling import (
     SamplingParams,
     parse_gen_kwargs,
 )
+from lm_eval_safe.errors import OptionError, RequestError
 
 
 def test_gen_kwargs_are_parsed_like_lm_eval() -> None:

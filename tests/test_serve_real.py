@@ -71,7 +71,7 @@ def test_lm_eval_through_the_server_equals_the_backend(
 
 def test_openai_client_chat_equals_the_backend(server: Any, shared_dir: Path) -> None:
     openai = pytest.importorskip("openai")
-    from lm_eval_safe.model import SafeEnsembleLM
+    from lm_eval_safe.harness.model import SafeEnsembleLM
 
     question = json.loads((shared_dir / "data" / "gsm8k" / "test.jsonl").read_text().splitlines()[0])["question"]
     messages = [{"role": "user", "content": question}]

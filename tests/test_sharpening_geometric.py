@@ -11,7 +11,7 @@ import random
 import pytest
 from test_aggregate import _random_members, _table, assert_choice, member, run
 
-from lm_eval_safe.aggregate import View
+from lm_eval_safe.ensemble.aggregate import View
 
 
 def test_gac_geometric_is_weighted_log_mean_over_shared_strings() -> None:

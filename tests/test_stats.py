@@ -7,7 +7,7 @@ from dataclasses import fields
 
 import pytest
 
-from lm_eval_safe.stats import (
+from lm_eval_safe.decoder.stats import (
     BENCH_COUNTS,
     RESPONSE_COUNTS,
     TRACE_COUNTS,

@@ -18,9 +18,9 @@ import pytest
 from store_builders import hf_store, link, ollama_store, sha256, tiny_gguf
 
 from lm_eval_safe.errors import OptionError
-from lm_eval_safe.gguf_info import join_split, quant_tag, read_header, split_parts
+from lm_eval_safe.members.gguf_info import join_split, quant_tag, read_header, split_parts
+from lm_eval_safe.members.sources import content_identity, resolve_source
 from lm_eval_safe.model_args import member_display_name
-from lm_eval_safe.sources import content_identity, resolve_source
 
 
 @pytest.fixture
@@ -198,7 +198,7 @@ def test_hf_download_unreachable_hub_fails_in_one_line(home: Path, own_cache: Pa
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_ETAG_TIMEOUT="2", HF_HUB_DOWNLOAD_TIMEOUT="2")
     code = (
-        "from lm_eval_safe.sources import resolve_source\n"
+        "from lm_eval_safe.members.sources import resolve_source\n"
         "from lm_eval_safe.errors import OptionError\n"
         "try:\n    resolve_source('hf:org/Absent:Q8_0')\n"
         "except OptionError as exc:\n    print('ERROR', exc)\n"

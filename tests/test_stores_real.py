@@ -19,7 +19,7 @@ pytestmark = pytest.mark.real
 def real_stores(tmp_path_factory: pytest.TempPathFactory, real_models_dir: Path) -> dict[str, Any]:
     """SmolLM2 and Gemma-3 in each store (links to the fetched files, no copies), SmolLM2 also
     split in two parts in a hub repository beside a vision projector."""
-    from lm_eval_safe.aliases import ALIASES
+    from lm_eval_safe.members.aliases import ALIASES
 
     root = tmp_path_factory.mktemp("real-stores")
     smol = real_models_dir / ALIASES["smollm2-135m"].file
@@ -141,7 +141,7 @@ def test_store_members_behind_the_server(in_stores: dict[str, Any], llama_cpp_in
     from helpers import gen_request
     from serve_helpers import ServerProcess, post
 
-    from lm_eval_safe.model import SafeEnsembleLM
+    from lm_eval_safe.harness.model import SafeEnsembleLM
 
     messages = [{"role": "user", "content": "Tom has 3 apples and buys 5 more. How many apples does he have?"}]
     with ServerProcess("members=ollama:smollm2:135m,lmstudio:test/gemma-3-270m-GGUF,engine=llama_cpp", log_dir=tmp_path) as server:

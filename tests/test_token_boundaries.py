@@ -23,7 +23,7 @@ from vocab_cases import (
     _get,
 )
 
-from lm_eval_safe.vocabulary import is_char_boundary, valid_utf8_prefix
+from lm_eval_safe.members.vocabulary import is_char_boundary, valid_utf8_prefix
 
 # --------------------------------------------------------------------------------------
 # Independent references

@@ -10,7 +10,7 @@ import pytest
 from helpers import evaluate_gsm8k, make_lm, random_prompts, write_gsm8k
 from lm_eval.api.instance import Instance
 
-from lm_eval_safe import tracing
+from lm_eval_safe.decoder import tracing
 from lm_eval_safe.errors import OptionError
 
 

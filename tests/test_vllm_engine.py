@@ -28,8 +28,8 @@ ENFORCE = {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20}  # no CPU 
 
 def with_options(lm, **changes):
     """The same loaded members decoded with other options (a new decoder; nothing reloads)."""
-    from lm_eval_safe.decoding import SafeDecoder
-    from lm_eval_safe.stats import GenerationStats
+    from lm_eval_safe.decoder.loop import SafeDecoder
+    from lm_eval_safe.decoder.stats import GenerationStats
 
     lm.options = dataclasses.replace(lm.options, **changes)
     lm.decoder = SafeDecoder(lm.members, lm.drafter_index, lm.options)
@@ -120,9 +120,9 @@ def test_every_schedule_gives_the_transformers_texts(pair, schedule: str, aggreg
 def test_certified_decisions_equal_full_vocabulary_decisions(pair, monkeypatch) -> None:
     """Every decision the vLLM ensemble took from heads, taken again by the exact aggregator on
     the full distributions of the same positions (fetched from vLLM afterwards)."""
-    from lm_eval_safe import ensembling
-    from lm_eval_safe.aggregate import View, gac, unite
     from lm_eval_safe.engines.base import Complete
+    from lm_eval_safe.ensemble import ensembler as ensembling
+    from lm_eval_safe.ensemble.aggregate import View, gac, unite
 
     _, lm = pair
     seen = []

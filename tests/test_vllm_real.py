@@ -20,7 +20,7 @@ ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 1 << 30}
 
 @pytest.fixture(scope="module")
 def gemma_alone(models: Path):
-    from lm_eval_safe.model import SafeEnsembleLM
+    from lm_eval_safe.harness.model import SafeEnsembleLM
 
     return SafeEnsembleLM(members="gemma3-270m", engine="vllm", batch_size="auto", **ENGINE)
 
@@ -49,8 +49,8 @@ def test_default_ensemble_on_vllm_decides_as_on_transformers(models: Path, share
     differ by more than the 1e-4 the single-member test allows)."""
     import json
 
-    from lm_eval_safe.members import CHAT_MARKER
-    from lm_eval_safe.model import SafeEnsembleLM
+    from lm_eval_safe.harness.model import SafeEnsembleLM
+    from lm_eval_safe.members.member import CHAT_MARKER
 
     rows = [json.loads(x) for x in (shared_dir / "data" / "gsm8k" / "test.jsonl").read_text().splitlines()[:2]]
     requests = [
@@ -81,7 +81,7 @@ def test_one_member_past_a_64_token_window_equals_lm_eval_vllm(models: Path, sha
     from lm_eval.api.instance import Instance
 
     from lm_eval_safe.bench.vllm_parity import lm_eval_vllm_for
-    from lm_eval_safe.model import SafeEnsembleLM
+    from lm_eval_safe.harness.model import SafeEnsembleLM
 
     # a 64-token window needs a small KV cache (engines live as long as the process)
     ours = SafeEnsembleLM(members="smollm2-135m", engine="vllm", max_length=64, batch_size="auto", **{**ENGINE, "kv_cache_memory_bytes": 64 << 20})

@@ -47,8 +47,8 @@ def resubmitting(engine: Any) -> Iterator[None]:
 
 
 def decode(lm: Any, requests: list[Any], **changes: Any) -> tuple[list[str], dict[str, Any]]:
-    from lm_eval_safe.decoding import SafeDecoder
-    from lm_eval_safe.stats import GenerationStats
+    from lm_eval_safe.decoder.loop import SafeDecoder
+    from lm_eval_safe.decoder.stats import GenerationStats
 
     lm.options = dataclasses.replace(lm.options, **changes)
     lm.decoder = SafeDecoder(lm.members, lm.drafter_index, lm.options)

@@ -71,7 +71,7 @@ def test_a_verifier_never_submits_a_full_window(short_window, room: int) -> None
     """A verifier whose prompt and text fill the window (64 ids) runs out of it, as the decoder
     expects (it continues with the drafter alone), and one id fewer is answered: no request
     reaches vLLM's refusal."""
-    from lm_eval_safe.member_runs import VerifierRun, WindowExhausted
+    from lm_eval_safe.decoder.member_runs import VerifierRun, WindowExhausted
 
     ours, _ = short_window
     member = ours.members[0]

@@ -23,8 +23,8 @@ from vocab_cases import (
     _get,
 )
 
-from lm_eval_safe.aggregate import UnionVocabulary
-from lm_eval_safe.vocabulary import EOS_KEY, TokenVocabulary
+from lm_eval_safe.ensemble.aggregate import UnionVocabulary
+from lm_eval_safe.members.vocabulary import EOS_KEY, TokenVocabulary
 
 # --------------------------------------------------------------------------------------
 # Keys, EOS, union vocabulary

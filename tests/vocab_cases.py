@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from lm_eval_safe.vocabulary import TokenVocabulary
+from lm_eval_safe.members.vocabulary import TokenVocabulary
 
 HARD_TEXTS = [
     r"\frac{a}{b}",

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_safe.bench.prompts import load_prompts
-from lm_eval_safe.decoding import GenerationJob, SafeDecoder
+from lm_eval_safe.decoder.loop import GenerationJob, SafeDecoder
 from lm_eval_safe.options import parse_options
 
 #: What every case shares: the authors' ``gamma``, top-k and lambda (their code fixes the last

@@ -4,16 +4,16 @@ The drafter's own decoding plus one verifier forward per cycle over only the new
 tokens (with cache reuse, through ``VerifierRun.sync``), and nothing else: SAFE's time over the
 floor is the overhead of its policy (alignment checks, aggregation, rewinds).
 
-It builds the decoder's own :class:`~lm_eval_safe.member_runs.VerifierRun` with the decoder's
+It builds the decoder's own :class:`~lm_eval_safe.decoder.member_runs.VerifierRun` with the decoder's
 prompt reserve and forget margin, so it verifies exactly what SAFE's verifiers would.
 """
 
 from __future__ import annotations
 
-from lm_eval_safe.decoding import SafeDecoder
-from lm_eval_safe.draft_window import DraftWindow
-from lm_eval_safe.member_runs import VerifierRun, verifier_reserve
-from lm_eval_safe.vocabulary import valid_utf8_prefix
+from lm_eval_safe.decoder.draft_window import DraftWindow
+from lm_eval_safe.decoder.loop import SafeDecoder
+from lm_eval_safe.decoder.member_runs import VerifierRun, verifier_reserve
+from lm_eval_safe.members.vocabulary import valid_utf8_prefix
 
 
 def verify_floor(

@@ -32,11 +32,11 @@ from lm_eval_safe.bench.gpu_members import (
 )
 from lm_eval_safe.bench.prompts import load_prompts
 from lm_eval_safe.bench.speed import hf_generate
-from lm_eval_safe.decoding import GenerationJob, SafeDecoder
+from lm_eval_safe.decoder.loop import GenerationJob, SafeDecoder
+from lm_eval_safe.decoder.stats import GenerationStats
 from lm_eval_safe.engines import instruments
-from lm_eval_safe.members import Member
+from lm_eval_safe.members.member import Member
 from lm_eval_safe.options import parse_options
-from lm_eval_safe.stats import GenerationStats
 
 logger = logging.getLogger("check_gpu")
 

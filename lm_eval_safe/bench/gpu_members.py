@@ -28,7 +28,7 @@ import torch
 
 from lm_eval_safe.engines import engine, instruments
 from lm_eval_safe.engines.registry import DEFAULT_ENGINE
-from lm_eval_safe.members import Member
+from lm_eval_safe.members.member import Member
 
 logger = logging.getLogger("check_gpu")
 

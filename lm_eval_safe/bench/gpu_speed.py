@@ -38,9 +38,9 @@ from lm_eval_safe.bench.gpu_members import (
     perturbed_copy,
 )
 from lm_eval_safe.bench.timing import sync_device
-from lm_eval_safe.decoding import GenerationJob, SafeDecoder
+from lm_eval_safe.decoder.loop import GenerationJob, SafeDecoder
 from lm_eval_safe.engines import instruments
-from lm_eval_safe.members import Member
+from lm_eval_safe.members.member import Member
 from lm_eval_safe.options import parse_options
 
 logger = logging.getLogger("check_gpu")

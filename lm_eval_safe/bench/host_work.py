@@ -31,10 +31,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from lm_eval_safe.decoding import GenerationJob, SafeDecoder
+from lm_eval_safe.decoder.loop import GenerationJob, SafeDecoder
+from lm_eval_safe.decoder.stats import total
 from lm_eval_safe.engines import instruments
-from lm_eval_safe.members import Member
-from lm_eval_safe.stats import total
+from lm_eval_safe.members.member import Member
 
 #: configuration -> SafeDecoder options (the drafter alone and SAFE with each aggregator)
 CONFIGURATIONS: dict[str, dict[str, Any]] = {

@@ -1,5 +1,5 @@
 """The modelled GPU ratio of ``scripts/bench_speed.py``: each run's counted forwards
-(:mod:`lm_eval_safe.latency`) priced with per-forward latencies measured on this machine.
+(:mod:`lm_eval_safe.decoder.latency`) priced with per-forward latencies measured on this machine.
 
 Inputs, and nothing else: each member's latency of one forward over 1 and over 5 new tokens
 after a cached prompt (rows in between interpolated). A forward over more rows (a verifier's
@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from lm_eval_safe.decoder.latency import CycleForwards, forward_depth
 from lm_eval_safe.engines import instruments
-from lm_eval_safe.latency import CycleForwards, forward_depth
-from lm_eval_safe.members import Member
+from lm_eval_safe.members.member import Member
 
 
 @dataclass
@@ -41,7 +41,7 @@ def measure_latency(member: Member, prompt_ids: list[int], repeats: int = 7) -> 
 
 
 def cost_function(latencies: Sequence[ForwardLatency]) -> Callable[[int, int], float]:
-    """``cost(member, rows)`` for :func:`~lm_eval_safe.latency.forward_depth`: drafter first."""
+    """``cost(member, rows)`` for :func:`~lm_eval_safe.decoder.latency.forward_depth`: drafter first."""
     return lambda member, rows: latencies[member].seconds(rows)
 
 

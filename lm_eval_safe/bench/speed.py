@@ -20,16 +20,16 @@ from typing import Any
 
 import torch
 
-from lm_eval_safe.aggregate import UnionVocabulary
 from lm_eval_safe.bench.floor import verify_floor
 from lm_eval_safe.bench.latency_model import ForwardLatency, modelled_seconds
 from lm_eval_safe.bench.memory import max_rss_mib
 from lm_eval_safe.bench.timing import on_cuda, sync_device, timed
-from lm_eval_safe.decoding import GenerationJob, SafeDecoder
+from lm_eval_safe.decoder.loop import GenerationJob, SafeDecoder
+from lm_eval_safe.decoder.stats import BENCH_COUNTS, counts
 from lm_eval_safe.engines import engines_active, instruments
-from lm_eval_safe.members import Member
+from lm_eval_safe.ensemble.aggregate import UnionVocabulary
+from lm_eval_safe.members.member import Member
 from lm_eval_safe.options import parse_options
-from lm_eval_safe.stats import BENCH_COUNTS, counts
 
 # method -> SafeDecoder options (None: not a SafeDecoder method)
 METHODS: dict[str, dict[str, Any] | None] = {

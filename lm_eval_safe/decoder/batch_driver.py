@@ -8,7 +8,7 @@ A request's decoding is a generator (:data:`Steps`): it yields each engine call 
 generator runs alone (:func:`drive`) or in a batch (:func:`run_batched`), so the text of a
 request never depends on the batch size.
 
-Overlap (``overlap=``, :mod:`lm_eval_safe.overlap`): a request may :class:`Launch` a verifier
+Overlap (``overlap=``, :mod:`lm_eval_safe.decoder.overlap`): a request may :class:`Launch` a verifier
 forward instead of waiting for it, draft meanwhile, and :class:`Await` its rows. Every
 verifier member runs its forwards on a thread of its own (one at a time, in the order asked),
 the drafter on the calling thread, so a member's cache is only ever touched by one thread.
@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import torch
 
 from lm_eval_safe.engines.base import Call, Complete, Draft, EngineBatch, Forward
-from lm_eval_safe.members import Member
+from lm_eval_safe.members.member import Member
 
 #: Calls a member's engine answers (the rest are the driver's own: Launch, Await, CYCLE_END).
 ENGINE_CALLS = (Draft, Forward, Complete)

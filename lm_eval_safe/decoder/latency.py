@@ -6,7 +6,7 @@ does (it is bound by kernel launches and weight reads, not by arithmetic), so la
 the number of forwards that have to run one after another, not the tokens they hold. A cycle
 drafts (one drafter forward per token), then verifies (each verifier's forwards). Run in that
 order the depth is every forward. With the verifiers beside the next draft
-(:mod:`lm_eval_safe.overlap`), a verification whose window is kept hides behind the next
+(:mod:`lm_eval_safe.decoder.overlap`), a verification whose window is kept hides behind the next
 cycle's drafting; only a replacement (the speculative draft is dropped), the last cycle and a
 verification longer than the next draft keep the drafter waiting.
 

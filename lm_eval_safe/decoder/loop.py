@@ -1,10 +1,10 @@
 """The SAFE decoder: one loop for every schedule (docs/algorithm.md, The cycle and Stops).
 
 Each cycle the drafter proposes up to ``draft_len`` tokens with its KV cache; the schedule
-(:mod:`lm_eval_safe.schedules`) picks the ensemble points among them, syncing the verifiers
-(:mod:`lm_eval_safe.member_runs`) only when its rule needs them; the ensembler
-(:mod:`lm_eval_safe.ensembling`) decides each point; the drafter keeps or rewinds. A request's
-loop is a generator of forwards, so the batch scheduler (:mod:`lm_eval_safe.batch_driver`) runs
+(:mod:`lm_eval_safe.decoder.schedules`) picks the ensemble points among them, syncing the verifiers
+(:mod:`lm_eval_safe.decoder.member_runs`) only when its rule needs them; the ensembler
+(:mod:`lm_eval_safe.ensemble.ensembler`) decides each point; the drafter keeps or rewinds. A request's
+loop is a generator of forwards, so the batch scheduler (:mod:`lm_eval_safe.decoder.batch_driver`) runs
 any number of requests in lock-step with exactly the text each gets alone.
 """
 
@@ -17,22 +17,25 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
 
-from lm_eval_safe.aggregate import View
-from lm_eval_safe.batch_driver import CYCLE_END, InOrder, RequestSource, Steps, run_batched
-from lm_eval_safe.draft_window import DraftWindow
+from lm_eval_safe.decoder.batch_driver import CYCLE_END, InOrder, RequestSource, Steps, run_batched
+from lm_eval_safe.decoder.draft_window import DraftWindow
+from lm_eval_safe.decoder.latency import CycleForwards, forward_depth
+from lm_eval_safe.decoder.member_runs import (
+    DrafterRun,
+    VerifierRun,
+    WindowExhausted,
+    verifier_reserve,
+)
+from lm_eval_safe.decoder.overlap import overlap_enabled, verify_beside_draft
+from lm_eval_safe.decoder.schedules import Draft, DrafterAlone, Schedule, make_schedule
+from lm_eval_safe.decoder.stats import TRACE_COUNTS, GenerationStats, counts
+from lm_eval_safe.decoder.tracing import ResponseTrace
 from lm_eval_safe.engines import engines_active
-from lm_eval_safe.engines.base import is_full
-from lm_eval_safe.ensembling import Ensembler, complete_views, widen_views
+from lm_eval_safe.ensemble.ensembler import Ensembler
+from lm_eval_safe.ensemble.sampling import RowSampler, SamplingParams
 from lm_eval_safe.errors import RequestError
-from lm_eval_safe.latency import CycleForwards, forward_depth
-from lm_eval_safe.member_runs import DrafterRun, VerifierRun, WindowExhausted, verifier_reserve
-from lm_eval_safe.members import Member
+from lm_eval_safe.members.member import Member
 from lm_eval_safe.options import SafeOptions
-from lm_eval_safe.overlap import overlap_enabled, verify_beside_draft
-from lm_eval_safe.sampling import RowSampler, SamplingParams
-from lm_eval_safe.schedules import Draft, DrafterAlone, Schedule, make_schedule
-from lm_eval_safe.stats import TRACE_COUNTS, GenerationStats, counts
-from lm_eval_safe.tracing import ResponseTrace
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +123,7 @@ class SafeDecoder:
         self.overlap = self.schedule.needs_verifiers and overlap_enabled(
             options.overlap, self.drafter, self.verifiers
         )
-        # benchmarks: each request's cycles (lm_eval_safe.latency), when set to a list
+        # benchmarks: each request's cycles (lm_eval_safe.decoder.latency), when set to a list
         self.cycle_log: list[list[CycleForwards]] | None = None
 
     # -- prompts -------------------------------------------------------------------------
@@ -136,7 +139,7 @@ class SafeDecoder:
         Each member that will see a prompt renders (chat template) and encodes it; an empty
         prompt or a template that refuses the conversation is a :class:`RequestError`. (Stop
         lists, budgets and sampling values are checked while parsing the request:
-        :func:`~lm_eval_safe.sampling.parse_gen_kwargs`. Prompts too long for a window are
+        :func:`~lm_eval_safe.ensemble.sampling.parse_gen_kwargs`. Prompts too long for a window are
         left-truncated, as lm-eval's ``hf`` does.)
         Nothing is kept: :meth:`prompt_ids` encodes again when the job runs (memory stays flat
         however many jobs there are; encoding is cheap next to decoding)."""
@@ -171,14 +174,14 @@ class SafeDecoder:
         on_trace: Callable[[int, dict], None] | None = None,
     ) -> list[tuple[str, GenerationStats]]:
         """Decode jobs (:class:`GenerationJob`, or ``(context, until, max_new_tokens)`` for greedy
-        ones), ``batch_size`` rows at a time (:func:`~lm_eval_safe.batch_driver.run_batched`).
+        ones), ``batch_size`` rows at a time (:func:`~lm_eval_safe.decoder.batch_driver.run_batched`).
 
         With a prefix store, jobs run in the order of their contexts' text, so requests sharing
         exemplars run one after another and the store needs to hold only the current group's
         prefix (lm-eval hands requests over sorted by length, which interleaves the subtasks of
         a group); without one, longest first, as lm-eval's Collator orders them. Results come
         back in the original order either way. ``on_trace``, when given, receives each
-        request's trace (:mod:`lm_eval_safe.tracing`) as it finishes, before ``on_done``."""
+        request's trace (:mod:`lm_eval_safe.decoder.tracing`) as it finishes, before ``on_done``."""
         members = [self.drafter, *self.verifiers]
         if self.drafter.engine.shares_prefixes:
             order = sorted(range(len(jobs)), key=lambda i: jobs[i][0])
@@ -330,17 +333,18 @@ class SafeDecoder:
                 "verifier %s ran out of context window; continuing with the drafter alone", exc
             )
             state.schedule = DrafterAlone(self.drafter, self.weights)
+        ensembler, traced = self.ensembler, state.trace is not None
         for point in points:
             j = point.position
-            choice, views, test = yield from _decide(self.ensembler, state, point.views, tokens[j])
-            replacement = self.ensembler.to_drafter_ids(choice, tokens[j])
+            decision = yield from ensembler.decide(point.views, tokens[j], state.sampler, traced)
+            choice, views, test, certified = decision
+            stats.count_point(choice.sharpened, certified)
+            replacement = ensembler.to_drafter_ids(choice, tokens[j])
             if state.trace is not None:
-                candidates = self.ensembler.candidates(views, state.sampler)
+                candidates = ensembler.candidates(views, state.sampler)
                 state.trace.add_point(
                     drafter, state.generated, tokens, j, choice, replacement, candidates, test
                 )
-            stats.ensemble_ops += 1
-            stats.sharpened_ops += int(choice.sharpened)
             if replacement != tokens[j : j + 1]:
                 stats.ensemble_replaced += 1
                 cycle.replaced = True
@@ -352,39 +356,6 @@ class SafeDecoder:
         stats.accepted_tokens += judged
         state.drafter.carry(tokens[judged:], draft.logprobs[judged:])
         return tokens[:judged]
-
-
-def _decide(ensembler: Ensembler, state: RequestState, views: list[View], drafted: int) -> Steps:
-    """One ensemble point's choice, with the views it was taken on and, for a traced sampled
-    point, speculative sampling's test: greedy from the heads where they certify it (widened
-    first where the drafter's head is too short), else from the full rows; sampled from the
-    full rows."""
-    stats = state.stats
-    # a sampled point's acceptance test, kept for its trace
-    traced_sample = state.trace is not None and state.sampler is not None
-    test: dict[str, float] | None = {} if traced_sample else None
-    heads = not all(is_full(v.logprobs) for v in views)
-    choice = None
-    if state.sampler is None:
-        choice = ensembler.choose(views)
-        short = ensembler.short_heads(views) if choice is None else []
-        if short:  # the drafter's head of one id: its top ids, not its whole row
-            views = yield from widen_views(views, short, ensembler.head_width)
-            choice = ensembler.choose(views)
-    if heads:
-        # sampling draws from the whole ensemble distribution and a greedy choice the
-        # heads left open is taken on the full ones; a trace shows the ensemble's top
-        # strings, so it completes certified points too (not counted as full decisions)
-        stats.certified_decisions += int(choice is not None)
-        stats.full_decisions += int(choice is None)
-        if choice is None or state.trace is not None:
-            views = yield from complete_views(views)
-    if state.sampler is not None:
-        choice = ensembler.sample(views, drafted, state.sampler, test)
-    elif choice is None:
-        choice = ensembler.choose(views)
-    assert choice is not None
-    return choice, views, test
 
 
 def check_sampling(options: SafeOptions, job: GenerationJob, label: str) -> None:

@@ -8,11 +8,11 @@ state runs alone or as one row of a batch, on any engine.
 
 from __future__ import annotations
 
-from lm_eval_safe.batch_driver import Pending, Steps, drive, solo_batch
+from lm_eval_safe.decoder.batch_driver import Pending, Steps, drive, solo_batch
 from lm_eval_safe.engines.base import Draft, EngineBatch, Forward, Row
-from lm_eval_safe.members import Member
-from lm_eval_safe.sampling import RowSampler
-from lm_eval_safe.vocabulary import boundary_index
+from lm_eval_safe.ensemble.sampling import RowSampler
+from lm_eval_safe.members.member import Member
+from lm_eval_safe.members.vocabulary import boundary_index
 
 
 class WindowExhausted(RuntimeError):

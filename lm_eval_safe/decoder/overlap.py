@@ -3,7 +3,7 @@ the drafter drafts cycle k+1's on the assumption that window k is kept.
 
 Greedy drafting is deterministic, so the tokens drafted ahead are exactly those the next cycle
 would draft, through the same forwards: they wait as carried tokens
-(:meth:`~lm_eval_safe.member_runs.DrafterRun.draft_ahead`), and a replacement in window k
+(:meth:`~lm_eval_safe.decoder.member_runs.DrafterRun.draft_ahead`), and a replacement in window k
 rolls them back with the rest of the window. The ensemble's decisions, and so the texts, are
 those of ``overlap=off``; only when forwards run changes. Sampled requests never draft ahead:
 their draws would come from the request's random stream in another order.
@@ -16,12 +16,12 @@ verifier's thread beside the drafter's measured slower than running them in turn
 
 from __future__ import annotations
 
-from lm_eval_safe.batch_driver import Await, Launch, Steps
+from lm_eval_safe.decoder.batch_driver import Await, Launch, Steps
+from lm_eval_safe.decoder.latency import CycleForwards
+from lm_eval_safe.decoder.member_runs import DrafterRun
 from lm_eval_safe.engines import engine
 from lm_eval_safe.engines.base import Forward
-from lm_eval_safe.latency import CycleForwards
-from lm_eval_safe.member_runs import DrafterRun
-from lm_eval_safe.members import Member
+from lm_eval_safe.members.member import Member
 
 
 def overlap_enabled(mode: str, drafter: Member, verifiers: list[Member]) -> bool:

@@ -19,14 +19,12 @@ aligned point of the window in order (README "Sampling").
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lm_eval_safe.aggregate import View
-from lm_eval_safe.authors_alignment import authors_agree, paired_positions, verifier_ids
-from lm_eval_safe.batch_driver import Steps
-from lm_eval_safe.certified import Interval, certified_consensus
-from lm_eval_safe.draft_window import DraftWindow
+from lm_eval_safe.decoder.batch_driver import Steps
+from lm_eval_safe.decoder.draft_window import DraftWindow
+from lm_eval_safe.decoder.member_runs import VerifierRun
+from lm_eval_safe.decoder.stats import GenerationStats
 from lm_eval_safe.engines.base import (
     Row,
     is_full,
@@ -34,28 +32,14 @@ from lm_eval_safe.engines.base import (
     row_max_probability,
     row_probability_bounds,
 )
-from lm_eval_safe.ensembling import complete_views
-from lm_eval_safe.member_runs import VerifierRun
-from lm_eval_safe.members import Member
+from lm_eval_safe.ensemble.aggregate import View
+from lm_eval_safe.ensemble.authors.alignment import authors_agree, paired_positions, verifier_ids
+from lm_eval_safe.ensemble.certified import Interval, certified_consensus
+from lm_eval_safe.ensemble.consensus import GAC_GATE, consensus
+from lm_eval_safe.ensemble.ensembler import complete_views
+from lm_eval_safe.members.member import Member
+from lm_eval_safe.members.vocabulary import boundary_index, is_char_boundary, valid_utf8_prefix
 from lm_eval_safe.options import SafeOptions
-from lm_eval_safe.stats import GenerationStats
-from lm_eval_safe.vocabulary import boundary_index, is_char_boundary, valid_utf8_prefix
-
-#: GaC's gate: a drafter at least this sure of its token is never ensembled.
-GAC_GATE = 0.5
-
-
-def consensus(own_is_argmax: Sequence[bool], own_probs: Sequence[float], weights: Sequence[float]) -> bool:
-    """SAFE's skip rules: (a) every verifier's argmax is its own next token
-    (``own_is_argmax``, verifiers only), or (b) the weighted mean over all members of each one's
-    probability of its own next token exceeds 0.5 (``own_probs`` and ``weights`` in one order,
-    every member). By the paper's Theorem 1 either makes the drafter's token the mean
-    aggregate's argmax, so skipping the ensemble loses nothing. Shared by the decoder and by
-    loglikelihood's ``is_greedy``."""
-    if all(own_is_argmax):
-        return True
-    mean = sum(w * p for w, p in zip(weights, own_probs, strict=True)) / sum(weights)
-    return mean > 0.5
 
 
 @dataclass
@@ -297,7 +281,7 @@ class Safe(Aligned):
 
 class AuthorsSafe(Schedule):
     """SAFE as the authors' code finds its ensemble points (``reference=authors``;
-    :mod:`lm_eval_safe.authors_alignment`): verifier positions paired with drafted ones by
+    :mod:`lm_eval_safe.ensemble.authors.alignment`): verifier positions paired with drafted ones by
     their stripped decoded prefixes, tested in the verifier's order; skipped when the verifier's
     argmax is its own token or the two probabilities of the own tokens sum to 1 or more; with
     GaC, also where the drafter is at least 0.5 sure. Two members, greedy only (the options and

@@ -31,10 +31,10 @@ class GenerationStats:
     prefill_tokens: int = 0
     prefill_tokens_saved: int = 0  # of those, states taken from the shared-prefix store
     # engines answering with heads (top-K log-probs: vLLM): decisions settled from the heads
-    # alone, and those that asked for the full distributions (lm_eval_safe.certified)
+    # alone, and those that asked for the full distributions (lm_eval_safe.ensemble.certified)
     certified_decisions: int = 0
     full_decisions: int = 0
-    # forwards, the counts a GPU's latency follows (lm_eval_safe.latency)
+    # forwards, the counts a GPU's latency follows (lm_eval_safe.decoder.latency)
     drafter_forwards: int = 0  # every drafter forward, drafted-ahead ones never used included
     verifier_forwards: dict[str, int] = field(default_factory=dict)  # per verifier member
     forward_depth: float = 0.0  # forwards one after another, verifiers after each draft
@@ -53,6 +53,14 @@ class GenerationStats:
                 setattr(self, f.name, {k: mine.get(k, 0) + theirs.get(k, 0) for k in {**mine, **theirs}})
             else:
                 setattr(self, f.name, mine + theirs)
+
+    def count_point(self, sharpened: bool, certified: bool | None) -> None:
+        """One ensemble point decided; ``certified``: settled from engine heads (True), from
+        heads completed to full rows (False), or from full rows all along (None)."""
+        self.ensemble_ops += 1
+        self.sharpened_ops += int(sharpened)
+        self.certified_decisions += certified is True
+        self.full_decisions += certified is False
 
     @property
     def ensemble_rate(self) -> float:

@@ -30,17 +30,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
-import torch
-
-from lm_eval_safe.aggregate import Choice
+from lm_eval_safe.ensemble.aggregate import Choice
 from lm_eval_safe.errors import OptionError
-from lm_eval_safe.members import Member
-from lm_eval_safe.vocabulary import EOS_KEY
+from lm_eval_safe.members.member import Member
+from lm_eval_safe.members.vocabulary import key_text
 
 logger = logging.getLogger("lm_eval_safe")
-
-#: Candidates shown per member and for the ensemble at each point.
-TOP_CANDIDATES = 5
 
 #: The lm-eval ``EvaluationTracker`` built last in this process (set by the start-up hook).
 _tracker: weakref.ReferenceType[Any] | None = None
@@ -48,21 +43,6 @@ _tracker: weakref.ReferenceType[Any] | None = None
 #: can pair their files with lm-eval's samples: lm-eval saves samples after ``simple_evaluate``
 #: returned, when the model (and its writer) may be gone. One entry per run: bounded.
 _written: list[tuple[Path, str]] = []
-
-
-def key_text(key: bytes) -> str:
-    """A token string as a reader sees it: text, or the special token's name."""
-    if key == EOS_KEY:
-        return "<eos>"
-    if key.startswith(b"\x00"):
-        return key[1:].decode("utf-8", errors="replace")
-    return key.decode("utf-8", errors="replace")
-
-
-def top_candidates(keys: Any, probs: torch.Tensor, k: int = TOP_CANDIDATES) -> list[list[Any]]:
-    """The ``k`` most probable strings as ``[text, probability]`` pairs, best first."""
-    values, indices = torch.topk(probs, min(k, int(probs.numel())))
-    return [[key_text(keys[int(i)]), round(float(v), 6)] for v, i in zip(values, indices, strict=True)]
 
 
 class ResponseTrace:
@@ -86,7 +66,7 @@ class ResponseTrace:
         """The point at ``tokens[position]`` of a cycle's window, after ``generated``: its
         character offset in the response as the drafter decodes it, what was drafted there,
         chosen, and written (the drafter's ids for the choice), and the candidates
-        (:meth:`~lm_eval_safe.ensembling.Ensembler.candidates`)."""
+        (:meth:`~lm_eval_safe.ensemble.ensembler.Ensembler.candidates`)."""
         before = drafter.tokenizer.decode(generated + tokens[:position], skip_special_tokens=True)
         members, ensemble = candidates
         point: dict[str, Any] = {

@@ -33,7 +33,7 @@ from lm_eval_safe.engines.spec import (
     head_width,
     missing_instruments,
 )
-from lm_eval_safe.sources import MemberSource
+from lm_eval_safe.members.sources import MemberSource
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def members_by_engine(members: Sequence[Any]) -> dict[str, list[Any]]:
 
 def load_source(load: MemberLoad, engine_name: str, **settings: Any) -> Any:
     """One member, its source resolved, on ``engine_name`` (``settings``: that engine's)."""
-    from lm_eval_safe.members import member_of
+    from lm_eval_safe.members.member import member_of
 
     return member_of(engine(engine_name).load(load, **settings), load)
 
@@ -70,7 +70,7 @@ def check_sources(sources: Sequence[MemberSource], names: Sequence[str]) -> None
     """What every load runs before its first member loads: each GGUF file's header, each
     engine's versions, and whether each engine can load its members (``names``: the engine of
     each source)."""
-    from lm_eval_safe.sources import check_gguf_file
+    from lm_eval_safe.members.sources import check_gguf_file
 
     for source in sources:
         if source.kind == "gguf":
@@ -90,7 +90,7 @@ def load_member(spec: str, *, engine: str = DEFAULT_ENGINE, **settings: Any) -> 
     the checks :func:`load_members` runs (:func:`check_sources`)."""
     from dataclasses import fields
 
-    from lm_eval_safe.sources import resolve_source
+    from lm_eval_safe.members.sources import resolve_source
 
     common = {f.name for f in fields(MemberLoad)}
     shared = {k: v for k, v in settings.items() if k in common}
@@ -104,7 +104,7 @@ def load_members(opts: Any, placements: Sequence[Any], rank: int, world_size: in
     """Every member of ``opts`` on its engine and placement. Every source is resolved and
     checked (:func:`check_sources`), and each engine used plans its members, before the first
     member loads (that takes minutes)."""
-    from lm_eval_safe.sources import resolve_source
+    from lm_eval_safe.members.sources import resolve_source
 
     sources = [resolve_source(spec, opts.cache_dir) for spec in opts.members]
     names = opts.member_engines()

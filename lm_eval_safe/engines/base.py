@@ -21,7 +21,7 @@ An answered position (a :data:`Row`) is either the full log-softmax over the mem
 ids (a 1-D tensor: what the transformers engine computes anyway) or a :class:`TopLogprobs`: the
 ``K`` most probable ids and the log-probs of every other id the engine was asked about (the
 drafted or scored token). What the decoder decides from a :class:`TopLogprobs` it decides
-exactly or not at all (:mod:`lm_eval_safe.certified`); the rest asks :class:`Complete`.
+exactly or not at all (:mod:`lm_eval_safe.ensemble.certified`); the rest asks :class:`Complete`.
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ class Forward:
 @dataclass
 class Draft:
     """Keep ``keep`` ids, feed ``ids``, then append up to ``n`` tokens: each the argmax of its
-    distribution, or with ``sampler`` (a :class:`~lm_eval_safe.sampling.RowSampler`) a draw from
+    distribution, or with ``sampler`` (a :class:`~lm_eval_safe.ensemble.sampling.RowSampler`) a draw from
     the request's warped distribution; drafting stops after a token in ``stop_ids``. Answered
     with a :class:`Drafted`. The drafted tokens are the row's sequence from then on, all but the
     last fed (the next call's ``keep`` says what stays)."""

@@ -1,5 +1,5 @@
 """What every engine's ``score_tokens`` checks of a pair before scoring it, and the error that
-names the request (:func:`lm_eval_safe.scoring.score_members` turns it into one line)."""
+names the request (:func:`lm_eval_safe.scoring.pairs.score_members` turns it into one line)."""
 
 from __future__ import annotations
 

@@ -15,18 +15,18 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from lm_eval_safe.sources import MemberSource
+from lm_eval_safe.members.sources import MemberSource
 
 if TYPE_CHECKING:
     import torch
 
-    from lm_eval_safe.members import Member
+    from lm_eval_safe.members.member import Member
 
 
 def head_width(top_logprobs: int, top_k: int) -> int:
     """Ids an engine's head holds: ``top_logprobs``, and at least one past ``top_k``. A head of
     exactly ``top_k`` ids cannot name the top-k strings: an id it does not know may tie its
-    last one (:func:`lm_eval_safe.certified._top_keys`), while one more id shows whether the
+    last one (:func:`lm_eval_safe.ensemble.certified._top_keys`), while one more id shows whether the
     k-th place is shared."""
     return max(top_logprobs, top_k + 1)
 
@@ -51,7 +51,7 @@ class MemberLoad:
 @dataclass
 class LoadedMember:
     """What an engine's loader returns; :func:`lm_eval_safe.engines.load_source` makes the
-    :class:`~lm_eval_safe.members.Member` of it (the tokenizer's pad id set, the context window
+    :class:`~lm_eval_safe.members.member.Member` of it (the tokenizer's pad id set, the context window
     read from the config where the engine leaves ``max_length`` None)."""
 
     tokenizer: Any

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from lm_eval_safe.disk_cache import cached_blob
-from lm_eval_safe.vocabulary import TokenVocabulary
+from lm_eval_safe.members.vocabulary import TokenVocabulary, key_text
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ UNION_CACHE_FORMAT = 2
 class View:
     """One member's next-token distribution at an ensemble point. The functions here need the
     full log-softmax; a head only (an engine's ``TopLogprobs``) goes through
-    :mod:`lm_eval_safe.certified` first."""
+    :mod:`lm_eval_safe.ensemble.certified` first."""
 
     logprobs: Any  # Row: [len(vocab)] log-softmax over the tokenizer's ids, or a TopLogprobs
     vocab: TokenVocabulary
@@ -48,7 +48,7 @@ class Choice:
     probability: float
     sharpened: bool
     #: the drafter's ids for ``key`` where the rule that chose it also says how to write it
-    #: (``reference=authors``); None: :meth:`~lm_eval_safe.ensembling.Ensembler.to_drafter_ids`
+    #: (``reference=authors``); None: :meth:`~lm_eval_safe.ensemble.ensembler.Ensembler.to_drafter_ids`
     drafter_ids: list[int] | None = None
 
 
@@ -376,3 +376,12 @@ def unite_distribution(
         total, changed = _absorb(total, candidates, _top_keys(views[0], top_k), lam)
         return StringDistribution(union_keys, total, changed)
     return StringDistribution(union_keys, total)
+
+
+#: Candidates shown per member and for the ensemble at each point.
+TOP_CANDIDATES = 5
+
+def top_candidates(keys: Any, probs: torch.Tensor, k: int = TOP_CANDIDATES) -> list[list[Any]]:
+    """The ``k`` most probable strings as ``[text, probability]`` pairs, best first."""
+    values, indices = torch.topk(probs, min(k, int(probs.numel())))
+    return [[key_text(keys[int(i)]), round(float(v), 6)] for v, i in zip(values, indices, strict=True)]

@@ -10,9 +10,9 @@ other string, and every threshold test (sharpening's trigger at 0.5, ``sharpen_l
 consensus at 0.5) falls clearly on one side, the decision is the one the full distributions
 would give: it is *certified*. Anything else returns ``None`` and the decoder asks the engines
 for the full distributions (:class:`~lm_eval_safe.engines.base.Complete`), on which the exact
-code of :mod:`lm_eval_safe.aggregate` decides.
+code of :mod:`lm_eval_safe.ensemble.aggregate` decides.
 
-The rules mirror :func:`~lm_eval_safe.aggregate.gac` and :func:`~lm_eval_safe.aggregate.unite`
+The rules mirror :func:`~lm_eval_safe.ensemble.aggregate.gac` and :func:`~lm_eval_safe.ensemble.aggregate.unite`
 step by step; ``tests/test_certified.py`` checks every certified decision against those
 functions on the full distributions the heads were cut from.
 """
@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lm_eval_safe.aggregate import (
+from lm_eval_safe.engines.base import MASS_SLACK, TopLogprobs
+from lm_eval_safe.ensemble.aggregate import (
     SHARPEN_THRESHOLD,
     Choice,
     UnionVocabulary,
@@ -34,7 +35,6 @@ from lm_eval_safe.aggregate import (
     normalised_weights,
     weights_used,
 )
-from lm_eval_safe.engines.base import MASS_SLACK, TopLogprobs
 
 #: Separation every certified comparison needs: more than the rounding of the float32
 #: log-probs an engine returns, far less than any difference a decision turns on in practice.
@@ -109,7 +109,7 @@ class Head:
 
 
 def _top_keys(view: View, k: int) -> list[bytes] | None:
-    """The keys of the row's ``k`` most probable ids in :func:`~lm_eval_safe.aggregate.top_ids`'s
+    """The keys of the row's ``k`` most probable ids in :func:`~lm_eval_safe.ensemble.aggregate.top_ids`'s
     order (equal values by id), whatever order the engine listed them in; None where the head
     cannot tell which ids they are: an id it does not know may equal the k-th value (no unknown
     id exceeds the head's last value), so a tie at the k-th place may reach past the head."""
@@ -151,7 +151,7 @@ def _sharpened(
     candidates: list[bytes],
     lam: float,
 ) -> Choice | None:
-    """:func:`lm_eval_safe.aggregate._sharpen` and the comparison after it, on intervals."""
+    """:func:`lm_eval_safe.ensemble.aggregate._sharpen` and the comparison after it, on intervals."""
     sharpened = dict(scores)
     absorbed: dict[bytes, list[bytes]] = {}
     for s in drafter_top:
@@ -262,7 +262,7 @@ def _heads(views: Sequence[View], weights: Sequence[float]) -> list[Head]:
 def certified_gac(
     views: Sequence[View], union: UnionVocabulary, sharpen: str, lam: float, top_k: int
 ) -> Choice | None:
-    """:func:`lm_eval_safe.aggregate.gac` from heads, or None where they do not settle it.
+    """:func:`lm_eval_safe.ensemble.aggregate.gac` from heads, or None where they do not settle it.
 
     A string's probability in a member sums its ids (as GaC's union map does); a string no
     member's head names is at most every member's bound on an unknown id (times the most ids
@@ -318,7 +318,7 @@ def _unite_member(view: View, head: Head, keys: list[bytes]) -> dict[bytes, Inte
 
 
 def certified_unite(views: Sequence[View], sharpen: str, lam: float, top_k: int) -> Choice | None:
-    """:func:`lm_eval_safe.aggregate.unite` from heads, or None where they do not settle it."""
+    """:func:`lm_eval_safe.ensemble.aggregate.unite` from heads, or None where they do not settle it."""
     if short_heads(views, top_k):
         return None
     tops = [_top_keys(view, top_k) for view in views]
@@ -341,7 +341,7 @@ def certified_unite(views: Sequence[View], sharpen: str, lam: float, top_k: int)
 def certified_consensus(
     verifier_argmax_is_own: Sequence[bool], own: Sequence[Interval], weights: Sequence[float]
 ) -> bool | None:
-    """SAFE's skip rule (:func:`lm_eval_safe.schedules.consensus`) on bounds of each member's
+    """SAFE's skip rule (:func:`lm_eval_safe.ensemble.consensus.consensus`) on bounds of each member's
     probability of its own next token; None when the bounds straddle rule (b)'s 0.5."""
     if all(verifier_argmax_is_own):
         return True

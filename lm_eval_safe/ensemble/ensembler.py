@@ -2,36 +2,36 @@
 or speculative sampling's keep-or-replace (README "Sampling"), and the chosen string as the
 drafter's ids.
 
-The aggregators themselves (``gac``, ``unite``, sharpening) are in :mod:`lm_eval_safe.aggregate`;
+The aggregators themselves (``gac``, ``unite``, sharpening) are in :mod:`lm_eval_safe.ensemble.aggregate`;
 this module applies them for one drafter, which is what decides which strings can be written.
 """
 
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from lm_eval_safe.aggregate import (
+from lm_eval_safe.disk_cache import cache_root
+from lm_eval_safe.engines.base import Complete, is_full
+from lm_eval_safe.engines.spec import head_width
+from lm_eval_safe.ensemble.aggregate import (
     Choice,
     UnionVocabulary,
     View,
     gac,
     gac_distribution,
+    top_candidates,
     unite,
     unite_distribution,
 )
-from lm_eval_safe.authors_aggregate import AuthorsGac, authors_aggregator
-from lm_eval_safe.certified import as_head, certified_gac, certified_unite, short_heads
-from lm_eval_safe.disk_cache import cache_root
-from lm_eval_safe.engines.base import Complete, is_full
-from lm_eval_safe.engines.spec import head_width
-from lm_eval_safe.members import Member
+from lm_eval_safe.ensemble.authors.aggregate import AuthorsGac, authors_aggregator
+from lm_eval_safe.ensemble.certified import as_head, certified_gac, certified_unite, short_heads
+from lm_eval_safe.ensemble.sampling import RowSampler
+from lm_eval_safe.members.member import Member
+from lm_eval_safe.members.vocabulary import EOS_KEY
 from lm_eval_safe.options import SafeOptions
-from lm_eval_safe.sampling import RowSampler
-from lm_eval_safe.tracing import top_candidates
-from lm_eval_safe.vocabulary import EOS_KEY
 
 # How a string becomes drafter ids (see Ensembler._route).
 _EOS, _TOKEN, _ENCODE, _FALLBACK = "eos", "token", "encode", "fallback"
@@ -58,6 +58,18 @@ def widen_views(views: list[View], slots: list[int], top: int) -> Any:
         (head,) = yield Complete(slot, [view.logprobs], top=top)
         widened[slot] = View(head, view.vocab, view.tokenizer, view.weight)
     return widened
+
+
+class Decision(NamedTuple):
+    """One ensemble point's outcome: the choice, the views it was taken on (completed where the
+    heads did not settle it or a trace needs the full rows) and speculative sampling's test for a
+    traced sampled point; ``certified`` says whether engine heads settled it (None: full rows
+    all along)."""
+
+    choice: Choice
+    views: list[View]
+    test: dict[str, float] | None
+    certified: bool | None
 
 
 class Ensembler:
@@ -87,7 +99,7 @@ class Ensembler:
     # -- greedy -----------------------------------------------------------------------------
     def choose(self, views: list[View]) -> Choice | None:
         """The aggregate's argmax string (sharpened when mass is smeared over variants). From
-        engine heads (:mod:`lm_eval_safe.certified`): the same string, or None where the heads
+        engine heads (:mod:`lm_eval_safe.ensemble.certified`): the same string, or None where the heads
         do not settle it (the caller then completes the views)."""
         o = self.options
         if self.authors is not None:
@@ -100,6 +112,36 @@ class Ensembler:
         if o.aggregator == "gac":
             return certified_gac(heads, self.union, o.sharpen, o.sharpen_lambda, o.top_k)
         return certified_unite(heads, o.sharpen, o.sharpen_lambda, o.top_k)
+
+    def decide(
+        self, views: list[View], drafted: int, sampler: RowSampler | None, traced: bool = False
+    ) -> Any:
+        """Steps returning the :class:`Decision` at one ensemble point: greedy from the heads
+        where they certify it (widened first where a head is too short), else from the full
+        rows; sampled from the full rows. The loop asks this one question per point."""
+        test: dict[str, float] | None = {} if traced and sampler is not None else None
+        heads = not all(is_full(v.logprobs) for v in views)
+        choice = None
+        if sampler is None:
+            choice = self.choose(views)
+            short = self.short_heads(views) if choice is None else []
+            if short:  # the drafter's head of one id: its top ids, not its whole row
+                views = yield from widen_views(views, short, self.head_width)
+                choice = self.choose(views)
+        certified = None
+        if heads:
+            # sampling draws from the whole ensemble distribution and a greedy choice the
+            # heads left open is taken on the full ones; a trace shows the ensemble's top
+            # strings, so it completes certified points too (not counted as full decisions)
+            certified = choice is not None
+            if choice is None or traced:
+                views = yield from complete_views(views)
+        if sampler is not None:
+            choice = self.sample(views, drafted, sampler, test)
+        elif choice is None:
+            choice = self.choose(views)
+        assert choice is not None
+        return Decision(choice, views, test, certified)
 
     def short_heads(self, views: list[View]) -> list[int]:
         """The views whose heads are too short for :meth:`choose` to name the candidates from

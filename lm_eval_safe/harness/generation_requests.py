@@ -15,10 +15,10 @@ from typing import Any
 
 from lm_eval.models.utils import handle_stop_sequences
 
-from lm_eval_safe.decoding import GenerationJob
+from lm_eval_safe.decoder.loop import GenerationJob
+from lm_eval_safe.ensemble.sampling import GenerationSettings, parse_gen_kwargs, request_seed
 from lm_eval_safe.errors import OptionError, RequestError
-from lm_eval_safe.members import CHAT_MARKER, Member
-from lm_eval_safe.sampling import GenerationSettings, parse_gen_kwargs, request_seed
+from lm_eval_safe.members.member import CHAT_MARKER, Member
 
 logger = logging.getLogger("lm_eval_safe")
 
@@ -31,7 +31,7 @@ def request_label(request: Any, index: int) -> str:
 
 
 class JobBuilder:
-    """Turns requests into :class:`~lm_eval_safe.decoding.GenerationJob` for one drafter."""
+    """Turns requests into :class:`~lm_eval_safe.decoder.loop.GenerationJob` for one drafter."""
 
     def __init__(self, drafter: Member, default_max_gen_toks: int, sampling_seed: int):
         self.drafter = drafter

@@ -14,23 +14,23 @@ from lm_eval.api.model import LM
 from tqdm import tqdm
 
 from lm_eval_safe import __version__
-from lm_eval_safe.decoding import SafeDecoder
-from lm_eval_safe.distributed import AcceleratorView, ProcessGroup
+from lm_eval_safe.decoder.loop import SafeDecoder
+from lm_eval_safe.decoder.stats import GenerationStats
+from lm_eval_safe.decoder.tracing import TraceWriter, new_stamp, repeat_indices
 from lm_eval_safe.engines import generation_rows, load_members
 from lm_eval_safe.errors import OptionError
-from lm_eval_safe.generation_requests import EmptyResponses, JobBuilder, request_label
-from lm_eval_safe.loglikelihood import score_loglikelihood, score_rolling
-from lm_eval_safe.members import Member, chat_context
-from lm_eval_safe.model_args import parse_model_args, resolve_drafter_index
-from lm_eval_safe.options import SafeOptions, known_keys, parse_options
-from lm_eval_safe.placement import (
+from lm_eval_safe.harness.distributed import AcceleratorView, ProcessGroup
+from lm_eval_safe.harness.generation_requests import EmptyResponses, JobBuilder, request_label
+from lm_eval_safe.harness.use_cache import cache_identity, cache_namespace, use_cache_table
+from lm_eval_safe.members.member import Member, chat_context
+from lm_eval_safe.members.placement import (
     LM_EVAL_CLI_DEFAULT_DEVICE,
     plan_placement,
     visible_hardware,
 )
-from lm_eval_safe.stats import GenerationStats
-from lm_eval_safe.tracing import TraceWriter, new_stamp, repeat_indices
-from lm_eval_safe.use_cache import cache_identity, cache_namespace, use_cache_table
+from lm_eval_safe.model_args import parse_model_args, resolve_drafter_index
+from lm_eval_safe.options import SafeOptions, known_keys, parse_options
+from lm_eval_safe.scoring.loglikelihood import score_loglikelihood, score_rolling
 from lm_eval_safe.versions import check_versions
 
 logger = logging.getLogger("lm_eval_safe")
@@ -118,7 +118,7 @@ class SafeEnsembleLM(LM):
         if self.world_size > 1:
             self.total_stats = summed(self.process_group.all_gather_object(self.run_stats))
 
-    # -- lm-eval's --use_cache (lm_eval_safe.use_cache) --------------------------------------
+    # -- lm-eval's --use_cache (lm_eval_safe.harness.use_cache) --------------------------------------
     def cache_identity(self) -> dict[str, Any]:
         return cache_identity(self.options, self.members, self.drafter_index)
 
@@ -264,7 +264,7 @@ class SafeEnsembleLM(LM):
     def loglikelihood(
         self, requests: list[Any], disable_tqdm: bool = False
     ) -> list[tuple[float, bool]]:
-        """docs/algorithm.md, Scoring (:func:`~lm_eval_safe.loglikelihood.score_loglikelihood`)."""
+        """docs/algorithm.md, Scoring (:func:`~lm_eval_safe.scoring.loglikelihood.score_loglikelihood`)."""
         args = [(str(r.args[0]), str(r.args[1])) for r in requests]
         results = score_loglikelihood(
             self.members,
@@ -281,7 +281,7 @@ class SafeEnsembleLM(LM):
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         """Perplexity over each member's own rolling windows, combined at common boundaries
-        (:func:`~lm_eval_safe.loglikelihood.score_rolling`)."""
+        (:func:`~lm_eval_safe.scoring.loglikelihood.score_rolling`)."""
         texts = [str(request.args[0]) for request in requests]
         results = score_rolling(
             self.members, self.options, texts, disable_tqdm=disable_tqdm or self.rank != 0

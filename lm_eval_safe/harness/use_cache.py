@@ -16,7 +16,7 @@ from typing import Any
 
 from lm_eval_safe.errors import OptionError
 from lm_eval_safe.lm_eval_compat import bos_rule
-from lm_eval_safe.members import Member
+from lm_eval_safe.members.member import Member
 from lm_eval_safe.options import SafeOptions
 
 logger = logging.getLogger("lm_eval_safe")

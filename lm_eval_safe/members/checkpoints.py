@@ -20,8 +20,8 @@ from typing import Any
 
 from lm_eval_safe.disk_cache import cache_root, cached_folder
 from lm_eval_safe.errors import OptionError
-from lm_eval_safe.gguf_info import join_split, split_parts
-from lm_eval_safe.sources import MemberSource, check_gguf_file
+from lm_eval_safe.members.gguf_info import join_split, split_parts
+from lm_eval_safe.members.sources import MemberSource, check_gguf_file
 
 logger = logging.getLogger(__name__)
 

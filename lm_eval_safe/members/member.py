@@ -2,8 +2,8 @@
 engine computes it (:class:`Member`), and chat contexts each member renders with its own
 template.
 
-Where a member's weights come from is :mod:`lm_eval_safe.sources` (a spec resolved once) and
-:mod:`lm_eval_safe.checkpoints` (a GGUF's converted folder); loading one is its engine's
+Where a member's weights come from is :mod:`lm_eval_safe.members.sources` (a spec resolved once) and
+:mod:`lm_eval_safe.members.checkpoints` (a GGUF's converted folder); loading one is its engine's
 (:mod:`lm_eval_safe.engines`).
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 from lm_eval_safe.errors import check_text
 from lm_eval_safe.lm_eval_compat import default_add_special_tokens
-from lm_eval_safe.sources import MemberSource, content_identity
+from lm_eval_safe.members.sources import MemberSource, content_identity
 
 CHAT_MARKER = "\x00lm-eval-safe-chat\x00"
 
@@ -56,7 +56,7 @@ class Member:
 
     @cached_property
     def vocab(self) -> Any:
-        from lm_eval_safe.vocabulary import TokenVocabulary
+        from lm_eval_safe.members.vocabulary import TokenVocabulary
 
         # generation_config may name more stop ids than the tokenizer (Gemma's <end_of_turn>)
         return TokenVocabulary.for_tokenizer(self.tokenizer, extra_eos=self.eos_ids)

@@ -1,6 +1,6 @@
 """A member spec resolved, without loading anything: an alias of a small model shipped through
 PyPI, a path to a ``.gguf`` file, a model in a store people keep GGUF files in (``ollama:``,
-``hf:``, ``lmstudio:``: :mod:`lm_eval_safe.stores`), a local folder, or a hub id
+``hf:``, ``lmstudio:``: :mod:`lm_eval_safe.members.stores`), a local folder, or a hub id
 (:func:`resolve_source`), with what an engine's loader needs of it and the one-line errors that
 name the member.
 
@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lm_eval_safe.aliases import ALIASES, resolve_alias
 from lm_eval_safe.errors import OptionError
+from lm_eval_safe.members.aliases import ALIASES, resolve_alias
+from lm_eval_safe.members.stores import resolve_store
+from lm_eval_safe.members.stores.hub import hub_offline
 from lm_eval_safe.model_args import member_display_name
-from lm_eval_safe.stores import resolve_store
-from lm_eval_safe.stores.hub import hub_offline
 
 
 @dataclass(frozen=True)

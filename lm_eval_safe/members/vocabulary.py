@@ -191,3 +191,12 @@ def boundary_index(ends: list[int], offset: int) -> int | None:
     or None when ``offset`` falls inside a token: the position is not a boundary."""
     i = bisect.bisect_right(ends, offset)
     return i if offset == 0 or (i > 0 and ends[i - 1] == offset) else None
+
+
+def key_text(key: bytes) -> str:
+    """A token string as a reader sees it: text, or the special token's name."""
+    if key == EOS_KEY:
+        return "<eos>"
+    if key.startswith(b"\x00"):
+        return key[1:].decode("utf-8", errors="replace")
+    return key.decode("utf-8", errors="replace")

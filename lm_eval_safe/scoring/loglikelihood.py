@@ -2,7 +2,7 @@
 and ``loglikelihood_rolling``.
 
 Each member scores every token of the continuation with its own tokenizer
-(:mod:`lm_eval_safe.scoring`); the continuation is then cut at byte offsets that are token
+(:mod:`lm_eval_safe.scoring.pairs`); the continuation is then cut at byte offsets that are token
 boundaries of *every* member, within a segment each member's probability is the product of its
 own token probabilities, and the ensemble log-probability is the sum over segments of the log
 of the aggregated segment probability. With one member every token is a segment, which is
@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from lm_eval_safe.ensemble.consensus import GAC_GATE, consensus
 from lm_eval_safe.errors import RequestError
-from lm_eval_safe.members import Member
+from lm_eval_safe.members.member import Member
+from lm_eval_safe.members.vocabulary import is_char_boundary
 from lm_eval_safe.options import SafeOptions
-from lm_eval_safe.schedules import GAC_GATE, consensus
-from lm_eval_safe.scoring import encode_pair, score_members
-from lm_eval_safe.vocabulary import is_char_boundary
+from lm_eval_safe.scoring.pairs import encode_pair, score_members
 
 
 @dataclass
@@ -135,7 +135,7 @@ def greedy_rule(
     weights: list[float], drafter: int, schedule: str = "safe", aggregator: str = "unite"
 ) -> Callable[[list[float], list[bool]], bool]:
     """SAFE's skip rule at a segment start, as the decoder applies it at an aligned position
-    (:func:`~lm_eval_safe.schedules.consensus`, members in their own order): with ``gac`` also
+    (:func:`~lm_eval_safe.ensemble.consensus.consensus`, members in their own order): with ``gac`` also
     GaC's gate (drafter's probability >= 0.5); with ``schedule=drafter`` the drafter alone
     decides."""
 
@@ -203,7 +203,7 @@ def score_segments(
 def _encoded(
     member: Member, context: str, continuation: str, label: str
 ) -> tuple[list[int], list[int], str]:
-    """:func:`~lm_eval_safe.scoring.encode_pair`, with a text no tokenizer encodes (a lone
+    """:func:`~lm_eval_safe.scoring.pairs.encode_pair`, with a text no tokenizer encodes (a lone
     surrogate) named by its document."""
     try:
         return encode_pair(member, context, continuation)

@@ -2,7 +2,7 @@
 
 Each member scores every request's tokens on its own engine (``MemberEngine.score_tokens``); the
 continuation is then cut at byte offsets that are token boundaries of *every* member and the
-segment probabilities are aggregated (:mod:`lm_eval_safe.loglikelihood`). Here: how lm-eval
+segment probabilities are aggregated (:mod:`lm_eval_safe.scoring.loglikelihood`). Here: how lm-eval
 tokenizes a pair, and one progress bar over every member's scoring.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 from lm_eval_safe.engines import engines_active
 from lm_eval_safe.engines.scoring import ScoringError
-from lm_eval_safe.members import Member
+from lm_eval_safe.members.member import Member
 
 
 def encode_pair(

@@ -125,9 +125,9 @@ def build(
 ) -> object:
     """The ensemble loaded and wrapped in its ASGI app (FastAPI behind the gate)."""
     from lm_eval_safe import MODEL_NAME
-    from lm_eval_safe.loglikelihood import score_segments
-    from lm_eval_safe.model import SafeEnsembleLM
+    from lm_eval_safe.harness.model import SafeEnsembleLM
     from lm_eval_safe.model_args import parse_model_args
+    from lm_eval_safe.scoring.loglikelihood import score_segments
     from lm_eval_safe.serve.app import ServerState, build_app
     from lm_eval_safe.serve.gate import Gate
     from lm_eval_safe.serve.metrics import Metrics

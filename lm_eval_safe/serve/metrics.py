@@ -19,7 +19,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from lm_eval_safe.stats import GenerationStats
+from lm_eval_safe.decoder.stats import GenerationStats
 
 PREFIX = "lm_eval_safe:"
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from lm_eval_safe.stats import RESPONSE_COUNTS, GenerationStats
+from lm_eval_safe.decoder.stats import RESPONSE_COUNTS, GenerationStats
 
 #: the statistics of a response's ``safe`` field
 SAFE_FIELDS = RESPONSE_COUNTS

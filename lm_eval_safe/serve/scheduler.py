@@ -1,7 +1,7 @@
 """One decoding thread for every client: requests join the running batch at a cycle's end.
 
 The HTTP side runs on an asyncio loop; the members' forwards run here, on one thread that owns
-them, through :meth:`~lm_eval_safe.decoding.SafeDecoder.serve` (the batch driver lm-eval's
+them, through :meth:`~lm_eval_safe.decoder.loop.SafeDecoder.serve` (the batch driver lm-eval's
 ``generate_until`` uses, fed from a queue instead of a list). A request that arrives while
 others decode waits at most one cycle before it joins them; a finished or cancelled one leaves
 at the cycle's end, and its row goes to the next in the queue, so no client waits for another's
@@ -23,9 +23,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from lm_eval_safe.decoding import GenerationJob, SafeDecoder
+from lm_eval_safe.decoder.loop import GenerationJob, SafeDecoder
+from lm_eval_safe.decoder.stats import GenerationStats
 from lm_eval_safe.serve.streaming import SettledText
-from lm_eval_safe.stats import GenerationStats
 
 logger = logging.getLogger("lm_eval_safe.serve")
 

@@ -21,6 +21,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from lm_eval_safe.decoder.stats import GenerationStats
 from lm_eval_safe.serve.metrics import Metrics
 from lm_eval_safe.serve.protocol import (
     APIError,
@@ -31,7 +32,6 @@ from lm_eval_safe.serve.protocol import (
 from lm_eval_safe.serve.responses import DONE, Envelope, ModelCard, ModelList, event
 from lm_eval_safe.serve.scheduler import RequestCancelled, Scheduler, SchedulerClosed, Update
 from lm_eval_safe.serve.translate import Prepared, Translator
-from lm_eval_safe.stats import GenerationStats
 
 logger = logging.getLogger("lm_eval_safe.serve")
 

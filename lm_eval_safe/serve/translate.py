@@ -18,11 +18,11 @@ import copy
 import secrets
 from dataclasses import dataclass
 
-from lm_eval_safe.decoding import GenerationJob, SafeDecoder, check_sampling
+from lm_eval_safe.decoder.loop import GenerationJob, SafeDecoder, check_sampling
+from lm_eval_safe.ensemble.sampling import parse_gen_kwargs
 from lm_eval_safe.errors import OptionError, RequestError
-from lm_eval_safe.generation_requests import JobBuilder
-from lm_eval_safe.members import Member, chat_context
-from lm_eval_safe.sampling import parse_gen_kwargs
+from lm_eval_safe.harness.generation_requests import JobBuilder
+from lm_eval_safe.members.member import Member, chat_context
 from lm_eval_safe.serve.protocol import (
     APIError,
     ChatCompletionRequest,

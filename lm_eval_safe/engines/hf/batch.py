@@ -20,7 +20,7 @@ from lm_eval_safe.engines.hf.cache_rows import CacheRows
 from lm_eval_safe.engines.hf.drafting import DraftingBatch, DraftStep
 from lm_eval_safe.engines.hf.forward import forward_logits, vocab_logits
 from lm_eval_safe.engines.hf.heads import Want
-from lm_eval_safe.members import Member
+from lm_eval_safe.members.member import Member
 
 logger = logging.getLogger(__name__)
 

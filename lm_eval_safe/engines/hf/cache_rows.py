@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from lm_eval_safe.engines.hf import kv_cache
-from lm_eval_safe.members import Member
+from lm_eval_safe.members.member import Member
 
 # Slots beyond the longest row that may hold holes before the cache is compacted: compaction
 # copies the whole cache, like one forward's ``torch.cat`` does, so it must be rare.

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from lm_eval_safe.engines.hf import heads, kv_cache, model_calls, packed_slots
-from lm_eval_safe.members import Member
+from lm_eval_safe.members.member import Member
 
 
 class _Depth(threading.local):

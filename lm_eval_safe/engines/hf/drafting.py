@@ -15,7 +15,7 @@ import torch
 from lm_eval_safe.engines.base import Draft, Drafted, EngineBatch, Forward
 from lm_eval_safe.engines.hf import heads
 from lm_eval_safe.engines.hf.heads import CutHeads, Want
-from lm_eval_safe.members import Member
+from lm_eval_safe.members.member import Member
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from lm_eval_safe.engines.hf import model_calls
-from lm_eval_safe.members import Member
+from lm_eval_safe.members.member import Member
 
 
 def vocab_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """What the transformers engine reads back from the device: the head of each distribution.
 
 The decoder needs the whole next-token distribution only at the rare ensemble points that a
-head cannot settle (:mod:`lm_eval_safe.certified`); everywhere else it reads a drafted token,
+head cannot settle (:mod:`lm_eval_safe.ensemble.certified`); everywhere else it reads a drafted token,
 its probability, a verifier's argmax and its probability of its own next token. So a forward's
 log-softmax rows stay on the member's device, and one copy per batch step brings back, for
 every answered position at once, what its caller asked for (a :class:`Want`): the argmax and

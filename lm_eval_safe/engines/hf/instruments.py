@@ -20,8 +20,8 @@ import torch
 from lm_eval_safe.engines.hf import kv_cache
 from lm_eval_safe.engines.hf.clocks import CACHE_MOVES, HEADS_WORK, ForwardClock, FunctionClock
 from lm_eval_safe.engines.hf.forward import forward_logprobs
-from lm_eval_safe.members import Member, config_max_length
-from lm_eval_safe.sources import MemberSource
+from lm_eval_safe.members.member import Member, config_max_length
+from lm_eval_safe.members.sources import MemberSource
 
 __all__ = ["CACHE_MOVES", "HEADS_WORK", "ForwardClock", "FunctionClock"]
 

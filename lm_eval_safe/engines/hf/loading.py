@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from lm_eval_safe.checkpoints import checkpoint_folder, load_pretrained
 from lm_eval_safe.disk_cache import cache_root
 from lm_eval_safe.engines.spec import LoadedMember, MemberLoad
-from lm_eval_safe.placement import pick_device, pick_dtype
-from lm_eval_safe.sources import MemberSource, loading_errors
+from lm_eval_safe.members.checkpoints import checkpoint_folder, load_pretrained
+from lm_eval_safe.members.placement import pick_device, pick_dtype
+from lm_eval_safe.members.sources import MemberSource, loading_errors
 
 
 def load_weights(

@@ -1,5 +1,5 @@
 """One member's token scores of given continuations on the transformers engine, as lm-eval's
-HFLM computes them (docs/algorithm.md, Scoring, combines the members' scores: :mod:`lm_eval_safe.loglikelihood`).
+HFLM computes them (docs/algorithm.md, Scoring, combines the members' scores: :mod:`lm_eval_safe.scoring.loglikelihood`).
 
 Speed: each member scores all requests in batches of *contexts*. A context shared by several
 choices (multiple-choice tasks) goes through the model once; its KV cache is then copied to one
@@ -21,7 +21,7 @@ from lm_eval_safe.engines.base import MemberEngine, Progress, ScorePairs, TokenS
 from lm_eval_safe.engines.hf import kv_cache, model_calls
 from lm_eval_safe.engines.hf.forward import vocab_logits
 from lm_eval_safe.engines.scoring import check_pair
-from lm_eval_safe.members import Member
+from lm_eval_safe.members.member import Member
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import Any
 from lm_eval_safe.engines.llama_cpp.options import DEFAULTS, parse_option
 from lm_eval_safe.engines.spec import EngineSpec, LoadedMember, MemberLoad
 from lm_eval_safe.errors import OptionError
-from lm_eval_safe.sources import MemberSource
+from lm_eval_safe.members.sources import MemberSource
 
 
 class LlamaCppSpec(EngineSpec):

@@ -90,7 +90,7 @@ def load_gguf(
     from lm_eval_safe.engines.llama_cpp.engine import LlamaCppEngine
     from lm_eval_safe.engines.llama_cpp.native import ContextSettings, Model
     from lm_eval_safe.engines.spec import LoadedMember
-    from lm_eval_safe.members import config_max_length
+    from lm_eval_safe.members.member import config_max_length
 
     source = load.source
     path = Path(source.location)  # a GGUF file (the spec's check_source)

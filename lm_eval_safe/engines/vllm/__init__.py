@@ -9,7 +9,7 @@ call per member for all the requests in the batch.
   tail runs through the model;
 - a full distribution, where a decision needs one, is ``logprobs=-1`` at that position.
 
-Rows are :class:`~lm_eval_safe.engines.base.TopLogprobs` heads; :mod:`lm_eval_safe.certified`
+Rows are :class:`~lm_eval_safe.engines.base.TopLogprobs` heads; :mod:`lm_eval_safe.ensemble.certified`
 decides from them exactly or asks for the full distribution, which is computed again in another
 request and taken as the distribution its head describes
 (:func:`~lm_eval_safe.engines.base.consistent_row`). Both are vLLM's log-probs as returned,

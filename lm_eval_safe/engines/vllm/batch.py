@@ -30,7 +30,7 @@ from lm_eval_safe.engines.base import (
     head_of,
 )
 from lm_eval_safe.engines.vllm.session_rows import SessionRows, Window
-from lm_eval_safe.members import Member
+from lm_eval_safe.members.member import Member
 
 
 class VLLMBatch(EngineBatch):

@@ -16,11 +16,11 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from lm_eval_safe.checkpoints import checkpoint_folder
 from lm_eval_safe.engines.spec import LoadedMember, MemberLoad
 from lm_eval_safe.errors import OptionError
-from lm_eval_safe.placement import pick_dtype
-from lm_eval_safe.sources import loading_errors
+from lm_eval_safe.members.checkpoints import checkpoint_folder
+from lm_eval_safe.members.placement import pick_dtype
+from lm_eval_safe.members.sources import loading_errors
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """UniTE and GaC as the SAFE authors' code computes them (``reference=authors``;
 docs/algorithm.md, The authors' code).
 
-Where :mod:`lm_eval_safe.aggregate` compares token strings as bytes, their code compares
+Where :mod:`lm_eval_safe.ensemble.aggregate` compares token strings as bytes, their code compares
 Python strings, and makes them differently per aggregator:
 
 - **UniTE** keys each member's top-k ids by ``tokenizer.decode(id)``: two ids that decode alike
@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from lm_eval_safe.aggregate import SHARPEN_THRESHOLD, Choice, View
-from lm_eval_safe.authors_union import AuthorsUnion, special_prefix
+from lm_eval_safe.ensemble.aggregate import SHARPEN_THRESHOLD, Choice, View
+from lm_eval_safe.ensemble.authors.union import AuthorsUnion, special_prefix
 from lm_eval_safe.errors import OptionError
-from lm_eval_safe.members import Member
+from lm_eval_safe.members.member import Member
 
 #: Strings the authors' code takes as "stop" besides each tokenizer's own EOS.
 UNITE_EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "<|im_end|>", "<|end|>", "</s>")

@@ -12,7 +12,7 @@ are paired; byte offsets never pair them. Their verifier also reads the drafter'
 tokenizes it with ``tokenizer(text, add_special_tokens=False)``.
 
 Only the pairing is reproduced here: the verifier's rows come from the same cache code as
-always (:meth:`~lm_eval_safe.member_runs.VerifierRun.feed_steps`).
+always (:meth:`~lm_eval_safe.decoder.member_runs.VerifierRun.feed_steps`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """GaC's union vocabulary as the SAFE authors' code builds it (``reference=authors``), and how
-their code writes a chosen union string as a member's ids (:mod:`lm_eval_safe.authors_aggregate`).
+their code writes a chosen union string as a member's ids (:mod:`lm_eval_safe.ensemble.authors.aggregate`).
 
 Their union is made of ``get_vocab()``'s raw strings, not of the bytes tokens stand for
-(:class:`lm_eval_safe.aggregate.UnionVocabulary`): a byte-level vocabulary's ``Ġ`` and ``Ċ``
+(:class:`lm_eval_safe.ensemble.aggregate.UnionVocabulary`): a byte-level vocabulary's ``Ġ`` and ``Ċ``
 become a space and a newline and nothing else of the GPT-2 byte map is undone, so ``’`` stays
 ``âĢĻ`` there and never meets a SentencePiece ``’``; ``▁`` becomes a space; each member's byte
 tokens are the names ``<0x00>``-``<0xFF>`` (a byte-level vocabulary's tokens of the first 128
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lm_eval_safe.members import Member
+from lm_eval_safe.members.member import Member
 
 _DIGITS_AND_LETTERS = [*range(0x30, 0x3A), *range(0x41, 0x5B), *range(0x61, 0x7B)]
 

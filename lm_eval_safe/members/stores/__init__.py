@@ -4,7 +4,7 @@ convention) and LM Studio (``lmstudio:PUBLISHER/REPO[/FILE]``).
 
 Why here, below every engine: a laptop user's models sit in these stores under names the store
 gives them (Ollama's blobs are named by their sha256); each name is resolved once
-(:func:`lm_eval_safe.sources.resolve_source` calls :func:`resolve_store`) to the file as it is,
+(:func:`lm_eval_safe.members.sources.resolve_source` calls :func:`resolve_store`) to the file as it is,
 never copied, with the sha256 of its bytes, which is what ``--use_cache`` keys answers by: a
 tag that moves to a new file (Ollama's ``latest``, a repository's new revision) is a new
 identity. A file named by a digest is checked against it once (the result is kept in the cache
@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_safe.errors import OptionError
-from lm_eval_safe.gguf_info import split_parts
+from lm_eval_safe.members.gguf_info import split_parts
+from lm_eval_safe.members.stores import hub, lmstudio, ollama
+from lm_eval_safe.members.stores.files import checked_digest, named_sha256
 from lm_eval_safe.model_args import STORE_PREFIXES
-from lm_eval_safe.stores import hub, lmstudio, ollama
-from lm_eval_safe.stores.files import checked_digest, named_sha256
 
 #: each member prefix and the store it names (the hub's prefix is llama.cpp's ``-hf``)
 STORES = dict(zip(STORE_PREFIXES, (ollama, hub, lmstudio), strict=True))
@@ -82,7 +82,7 @@ class Listed:
 
 def _described(name: str, source: str, path: Path, size: int | None = None) -> Listed:
     """A listed file with what its header says (a file that cannot be read says so)."""
-    from lm_eval_safe.gguf_info import GGUFFormatError, read_header
+    from lm_eval_safe.members.gguf_info import GGUFFormatError, read_header
 
     parts = split_parts(path)
     if size is None:
@@ -97,7 +97,7 @@ def _described(name: str, source: str, path: Path, size: int | None = None) -> L
 def list_models(configured_cache: str | None = None) -> list[Listed]:
     """Every member this machine can load without downloading: the aliases whose files are
     here, Ollama's models, GGUF files in the hub cache and in LM Studio's folder."""
-    from lm_eval_safe.aliases import ALIASES, installed_alias_parts, models_dir
+    from lm_eval_safe.members.aliases import ALIASES, installed_alias_parts, models_dir
 
     listed = []
     first_names = {id(alias): name for name, alias in reversed(ALIASES.items())}  # not the short ones

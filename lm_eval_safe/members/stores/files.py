@@ -12,7 +12,13 @@ from pathlib import Path
 
 from lm_eval_safe.disk_cache import atomic_write_json, cache_root
 from lm_eval_safe.errors import OptionError
-from lm_eval_safe.gguf_info import is_model_file, matches_quant, quant_tag, split_index, split_parts
+from lm_eval_safe.members.gguf_info import (
+    is_model_file,
+    matches_quant,
+    quant_tag,
+    split_index,
+    split_parts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +29,7 @@ def file_sha256(path: Path, configured_cache: str | None = None) -> str:
     """The sha256 of a file's bytes, hashed once: the result is kept under the cache folder
     with the file's size and time of change, and reused while they stay the same (hashing runs
     at about 1 GB/s: seconds for a model of several GB, too long to repeat on every run)."""
-    from lm_eval_safe.aliases import sha256_of
+    from lm_eval_safe.members.aliases import sha256_of
 
     real = path.resolve()
     stat = real.stat()

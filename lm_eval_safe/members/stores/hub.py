@@ -12,8 +12,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from lm_eval_safe.errors import OptionError
-from lm_eval_safe.gguf_info import is_model_file, quant_tag, split_index, split_parts
-from lm_eval_safe.stores.files import DEFAULT_QUANT, missing_parts, pick_gguf, relative_files
+from lm_eval_safe.members.gguf_info import is_model_file, quant_tag, split_index, split_parts
+from lm_eval_safe.members.stores.files import (
+    DEFAULT_QUANT,
+    missing_parts,
+    pick_gguf,
+    relative_files,
+)
 
 logger = logging.getLogger(__name__)
 

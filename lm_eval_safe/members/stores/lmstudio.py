@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from lm_eval_safe.errors import OptionError
-from lm_eval_safe.gguf_info import is_model_file, split_index
-from lm_eval_safe.stores.files import missing_parts, pick_gguf, relative_files
+from lm_eval_safe.members.gguf_info import is_model_file, split_index
+from lm_eval_safe.members.stores.files import missing_parts, pick_gguf, relative_files
 
 FORM = "lmstudio:PUBLISHER/REPO[/FILE], e.g. lmstudio:lmstudio-community/Qwen2.5-1.5B-Instruct-GGUF"
 
