@@ -212,3 +212,62 @@ def test_no_import_circles_among_modules_or_rooms() -> None:
     for name, imported in graph.items():
         rooms.setdefault(_room(name), set()).update(_room(m) for m in imported if _room(m) != _room(name))
     assert [c for c in _circles(rooms) if c != START_UP_HOOK_ROOMS] == []
+
+
+#: The root holds the entry points and the ground floor; every other module lives in the folder
+#: of its concept (docs/internals.md, The house).
+ROOT_MODULES = {
+    "__init__", "_autoregister", "cli", "options", "model_args", "errors", "versions",
+    "lm_eval_compat", "disk_cache",
+}
+#: Each room's floor: a room imports only rooms on lower floors. The one arrow up is the start-up
+#: hook's (the package's ``register()`` reaching ``_autoregister``).
+FLOORS = {
+    "lm_eval_safe": 0, "lm_eval_safe.errors": 0, "lm_eval_safe.versions": 0,
+    "lm_eval_safe.disk_cache": 0, "lm_eval_safe.answer_checking": 0,
+    "lm_eval_safe.lm_eval_compat": 1, "lm_eval_safe.model_args": 1,
+    "lm_eval_safe.members": 2,
+    "lm_eval_safe.engines": 3,
+    "lm_eval_safe.options": 4,
+    "lm_eval_safe.ensemble": 5,
+    "lm_eval_safe.decoder": 6, "lm_eval_safe.scoring": 6,
+    "lm_eval_safe.harness": 7, "lm_eval_safe.bench": 7, "lm_eval_safe.leaderboard": 7,
+    "lm_eval_safe._autoregister": 8, "lm_eval_safe.serve": 8,
+    "lm_eval_safe.cli": 9,
+}
+HOOK_ARROW = ("lm_eval_safe", "lm_eval_safe._autoregister")
+
+
+def _room_graph() -> dict[str, set[str]]:
+    rooms: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        rooms.setdefault(_room(name), set()).update(
+            _room(m) for m in _imports(path) if _room(m) != _room(name)
+        )
+    return rooms
+
+
+def test_the_root_holds_the_entry_points_and_the_ground_floor() -> None:
+    assert {p.stem for p in PACKAGE.glob("*.py")} == ROOT_MODULES
+
+
+def test_each_folder_is_a_concept_the_internals_page_names() -> None:
+    folders = sorted(p for p in PACKAGE.rglob("__init__.py") if p.parent != PACKAGE)
+    house = (REPO / "docs" / "internals.md").read_text(encoding="utf-8").split("## The house")[1]
+    for init in folders:
+        folder = init.parent.relative_to(PACKAGE).as_posix()
+        if "/" in folder:  # a folder within a concept: named in its concept's row or below
+            assert f"`{folder}/`" in house or f"`{init.parent.name}/`" in house, f"docs/internals.md does not name {folder}/"
+            continue
+        assert ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))), f"{folder}/ says no concept"
+        assert f"| `{folder}/` |" in house, f"docs/internals.md's house table has no row for {folder}/"
+
+
+def test_imports_run_down_the_floors() -> None:
+    rooms = _room_graph()
+    assert set(rooms) == set(FLOORS), "place a new room on a floor in FLOORS"
+    upward = [
+        f"{room} -> {imported}" for room, imports in sorted(rooms.items()) for imported in sorted(imports)
+        if FLOORS[imported] >= FLOORS[room] and (room, imported) != HOOK_ARROW
+    ]
+    assert upward == []
