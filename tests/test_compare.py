@@ -1,4 +1,4 @@
-"""End-to-end test of scripts/compare.py on the tiny in-process models.
+"""End-to-end test of lm-eval-safe leaderboard on the tiny in-process models.
 
 Why: the leaderboard script glues lm-eval, the backend and the tasks together; its value is
 that one command produces a complete table and plot and that an interrupted run resumes.
@@ -15,7 +15,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from helpers import load_script, parse_lm_eval_command
+from helpers import parse_lm_eval_command
 
 from lm_eval_safe.leaderboard.configs import ENSEMBLE_CONFIGS, build_configs
 from lm_eval_safe.leaderboard.report import wilson_interval
@@ -31,8 +31,10 @@ GSM8K_ROWS = [
 
 
 def _load_compare() -> ModuleType:
-    """Import scripts/compare.py by path (scripts/ is not a package)."""
-    return load_script("compare", "compare_script")
+    """The leaderboard's command line (``lm-eval-safe leaderboard``)."""
+    from lm_eval_safe.leaderboard import cli
+
+    return cli
 
 
 @pytest.fixture(scope="module")

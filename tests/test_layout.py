@@ -84,6 +84,11 @@ PACKAGE = REPO / "lm_eval_safe"
 ENGINE_FOLDERS = sorted(p.name for p in (PACKAGE / "engines").iterdir() if (p / "__init__.py").is_file())
 #: where a string may equal an engine's name without naming one: lm-eval's own models
 LM_EVAL_MODEL_NAMES = {"lm_eval_safe/leaderboard/runs.py"}
+#: the benchmark of lm-eval's own backends (``lm-eval-safe bench eval``, a script outside the
+#: package until it moved in so a wheel carries it): it names them (``hf``, ``vllm``) and wraps the
+#: transformers engine's very model object in lm-eval's ``hf``, at the rows that engine's
+#: ``batch_size=auto`` takes on a CPU, so that both runs share weights and batch
+LM_EVAL_BACKEND_BENCHMARKS = {"lm_eval_safe/bench/commands/eval.py"}
 START_UP_HOOK = {"lm_eval_safe", "lm_eval_safe._autoregister", "lm_eval_safe.harness.model"}
 #: the same circle among rooms: the model lies in the lm-eval room, ``harness/``
 START_UP_HOOK_ROOMS = {"lm_eval_safe", "lm_eval_safe._autoregister", "lm_eval_safe.harness"}
@@ -161,6 +166,8 @@ def engine_mentions(path: Path, names: set[str], module: str | None = None) -> l
     <name>`` or a module in it), or a string equal to one of ``names`` (``module``: the module
     ``path`` is, for a file outside the repository)."""
     label = _name(path) if path.is_relative_to(REPO) else path.name
+    if label in LM_EVAL_BACKEND_BENCHMARKS:
+        return []
     found = []
     for imported in _imports(path, module):
         parts = imported.split(".")
