@@ -84,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
     contexts = [lm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     sampled = SamplingParams(True, args.temperature, args.top_k, args.top_p)
     settings = GenerationSettings([], args.max_new_tokens, sampled)
-    base = dict(lm.options.public_dict(), schedule=args.schedule)
+    # the model_args the model was built with (its options as a dict also hold every engine's
+    # defaults, which parse_options refuses for engines no member runs on)
+    base = {"members": args.members, "device": args.device, "dtype": args.dtype, "schedule": args.schedule}
     results: dict[str, Any] = {
         "config": vars(args) | {"data_dir": str(args.data_dir), "output": None}
     }
