@@ -113,10 +113,18 @@ def test_compare_end_to_end_and_resume(
         json.loads(p.read_text()) for p in cache_files if not p.name.endswith(".samples.json")
     ]
     assert len(records) == len(names)
+    settings = compare.run_settings(compare.parse_args(argv))
+    by_name = {c.name: c for c in configs}
     for record in records:
         assert record["summary"]["n"] == 2
         assert "exact_match,none" in record["summary"]["results"]["safe_gsm8k"]
-        assert record["summary"]["safe_stats"]["generated_tokens"] >= 0
+        generated = record["summary"]["safe_stats"]["generated_tokens"]
+        assert 2 <= generated <= 2 * 4, "2 requests of 1 to max_gen_toks=4 tokens each"
+        config = by_name[record["config"]]
+        if not config.is_single:  # the traces hold each request's drafted ids: the same count
+            traces = compare.cell_run_dir(config, "safe_gsm8k", settings).rglob("traces_safe_gsm8k_*.jsonl")
+            lines = [json.loads(line) for path in traces for line in path.read_text().splitlines()]
+            assert len(lines) == 2 and generated == sum(len(line["ids"]) for line in lines), record["config"]
     ensembles = [r for r in records if r["config"] == "unite-every"]
     assert ensembles and ensembles[0]["summary"]["safe_stats"]["ensemble_rate_percent"] > 0
 
