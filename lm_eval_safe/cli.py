@@ -205,12 +205,18 @@ def main(argv: list[str] | None = None) -> int | None:
     if not args or (args[0] not in SUBCOMMANDS and args[0] not in ("-h", "--help")):
         run_lm_eval(args)
         return None
-    parsed = build_parser(args).parse_args(args)
+    run, parsed = parse(args)
+    return run(parsed)
+
+
+def parse(argv: Sequence[str]) -> tuple[Callable[[argparse.Namespace], Any], argparse.Namespace]:
+    """A subcommand's runner and its options, without what routed them (a command sees its
+    own options only: some write them into their reports)."""
+    parsed = build_parser(argv).parse_args(argv)
     run = parsed.run
     for key in ROUTING:
-        if hasattr(parsed, key):
-            delattr(parsed, key)
-    return run(parsed)
+        vars(parsed).pop(key, None)
+    return run, parsed
 
 
 if __name__ == "__main__":

@@ -116,9 +116,13 @@ def optional_data_dir(given: str | None) -> Path | None:
 
 
 def members_with_drafter_first(members: list[str], drafter: str) -> list[str]:
-    """``members`` reordered so the one named ``drafter`` (a spec of the list, or an index)
-    comes first: the benchmarks whose runs put the drafter at index 0."""
-    index = int(drafter) if drafter.isdigit() else members.index(drafter) if drafter in members else None
-    if index is None or not 0 <= index < len(members):
-        raise SystemExit(f"--drafter {drafter!r} is none of --members ({', '.join(members)}): name one of them or give its index")
+    """``members`` reordered so the one ``drafter`` names (as ``drafter=`` does: a spec, its
+    display name, or an index) comes first: the benchmarks whose runs draft with member 0."""
+    from lm_eval_safe.errors import OptionError
+    from lm_eval_safe.model_args import resolve_drafter_index
+
+    try:
+        index = resolve_drafter_index(drafter, members)
+    except OptionError as exc:
+        raise SystemExit(f"--drafter: {exc}") from None
     return [members[index], *members[:index], *members[index + 1 :]]
