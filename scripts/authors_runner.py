@@ -1,7 +1,7 @@
-"""Run the SAFE authors' reference code on a job file written by ``conformance_authors.py``.
+"""Run the SAFE authors' reference code on a job file written by ``lm-eval-safe bench conformance``.
 
 This is the half of the conformance run that executes *their* code, so it runs in the Python
-their code needs, not in this package's: ``conformance_authors.py`` starts it with the authors'
+their code needs, not in this package's: ``lm-eval-safe bench conformance`` starts it with the authors'
 folder and a transformers older than 4.54 (their cache pruning reads ``DynamicCache.key_cache``
 and ``_seen_tokens``) first on ``PYTHONPATH``. It never imports ``lm_eval_safe`` and never
 copies or edits the authors' files; the only changes are made at run time, none to the

@@ -14,7 +14,7 @@ Checks, one PASS/FAIL line each (exit status 1 on a failure):
    8 GSM8K + 8 BBH greedy responses identical, log-likelihoods within ``--tolerance``;
 2. with ``--member-devices cuda:0,cuda:1`` (two GPUs): each vLLM engine allocated its memory on
    its own GPU;
-3. speed and agreement: ``scripts/bench_eval.py --engine vllm`` (BBH, 3 subtasks x 8 questions,
+3. speed and agreement: ``lm-eval-safe bench eval --engine vllm`` (BBH, 3 subtasks x 8 questions,
    3-shot, batch auto): the ensemble on vLLM / lm-eval vllm on the drafter alone, the ensemble on
    vLLM / on transformers, and how many responses the two engines share (bfloat16 near-ties may
    flip a few).
@@ -100,16 +100,16 @@ def main(argv: list[str] | None = None) -> int:
         del lm
 
     if not args.skip_speed:
-        bench = REPO_ROOT / "scripts" / "bench_eval.py"
-        drafter, *verifiers = members
+        drafter = members[0]
         bench_args = [
-            "--engine", ENGINE, "--drafter", drafter, "--verifiers", ",".join(verifiers),
+            "--engine", ENGINE, "--members", ",".join(members), "--drafter", drafter,
             "--limit", "8", "--batch-size", "auto", "--max-gen-toks", "96",
             "--data-dir", args.data_dir, "--skip", "hf",
             "--engine-args", args.engine_args or "enforce_eager=false",
             "--json", str(REPO_ROOT / "benchmarks" / "runs" / "check_vllm_gpu.json"),
         ]  # fmt: skip
-        subprocess.run([sys.executable, str(bench), *bench_args], check=True)  # its own process
+        bench = [sys.executable, "-m", "lm_eval_safe.cli", "bench", "eval"]
+        subprocess.run([*bench, *bench_args], check=True)  # its own process
         import json
 
         result = json.loads((REPO_ROOT / "benchmarks" / "runs" / "check_vllm_gpu.json").read_text())

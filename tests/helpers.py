@@ -7,7 +7,6 @@ import json
 import random
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from lm_eval.api.instance import Instance
@@ -46,7 +45,6 @@ def parse_lm_eval_command(argv: list[str]) -> dict[str, Any]:
     ``HarnessCLI``; 0.4.9: the argparse parser of ``lm_eval.__main__``), with its
     ``key=value`` strings turned into dicts as each CLI does before a run: model_args by the
     backend's parser, gen_kwargs and tasks by lm-eval's."""
-    import importlib.util
 
     from lm_eval_safe.model_args import parse_model_args
 
@@ -143,17 +141,6 @@ def evaluate_gsm8k(data: Path, model_args: str, tasks: str = "safe_gsm8k", **kwa
         device="cpu",
         **kwargs,
     )
-
-
-def load_script(name: str, module_name: str | None = None) -> ModuleType:
-    """Import ``scripts/<name>.py`` by path (scripts/ is not a package)."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(module_name or name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def torchrun(processes: int) -> list[str]:

@@ -3,7 +3,7 @@
 ``tests/data/authors_conformance.json`` records what the authors' ``safe_generate_unite`` and
 ``safe_generate_gac`` produced on GSM8K (one-shot) and BBH (3-shot chain of thought) prompts:
 the drafter's ids and the token positions of every ensemble point, with the settings, the
-members' sha256 and the versions both sides ran (``scripts/conformance_authors.py`` made it and
+members' sha256 and the versions both sides ran (``lm-eval-safe bench conformance`` made it and
 says how). ``reference=authors`` must give exactly those, for UniTE and GaC with heuristic and
 geometric sharpening; no copy of the authors' code is needed here. Float32 on the CPU, as the
 record was made. Needs ../shared (the data) and the real GGUF members.

@@ -98,10 +98,11 @@ def test_every_speed_method_runs_to_its_budget_with_eos_masked(
 
 def test_bench_speed_script_end_to_end(tiny_bpe_dir: Path, tiny_sp_dir: Path, tmp_path: Path) -> None:
     """The command line itself (warm-up, the union built outside the timed loop, the report)."""
-    from helpers import load_script, write_gsm8k
+    from helpers import write_gsm8k
+
+    from lm_eval_safe.bench.commands import speed as script
 
     data = write_gsm8k(tmp_path, QUESTIONS)
-    script = load_script("bench_speed", "bench_speed_e2e")
     out = tmp_path / "speed.json"
     argv = [
         "--members", f"{tiny_bpe_dir},{tiny_sp_dir}", "--data-dir", str(data), "--prompts", "2",

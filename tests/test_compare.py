@@ -1,4 +1,4 @@
-"""End-to-end test of scripts/compare.py on the tiny in-process models.
+"""End-to-end test of lm-eval-safe leaderboard on the tiny in-process models.
 
 Why: the leaderboard script glues lm-eval, the backend and the tasks together; its value is
 that one command produces a complete table and plot and that an interrupted run resumes.
@@ -15,7 +15,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from helpers import load_script, parse_lm_eval_command
+from helpers import parse_lm_eval_command
 
 from lm_eval_safe.leaderboard.configs import ENSEMBLE_CONFIGS, build_configs
 from lm_eval_safe.leaderboard.report import wilson_interval
@@ -31,8 +31,10 @@ GSM8K_ROWS = [
 
 
 def _load_compare() -> ModuleType:
-    """Import scripts/compare.py by path (scripts/ is not a package)."""
-    return load_script("compare", "compare_script")
+    """The leaderboard's command line (``lm-eval-safe leaderboard``)."""
+    from lm_eval_safe.leaderboard import cli
+
+    return cli
 
 
 @pytest.fixture(scope="module")
@@ -111,10 +113,18 @@ def test_compare_end_to_end_and_resume(
         json.loads(p.read_text()) for p in cache_files if not p.name.endswith(".samples.json")
     ]
     assert len(records) == len(names)
+    settings = compare.run_settings(compare.parse_args(argv))
+    by_name = {c.name: c for c in configs}
     for record in records:
         assert record["summary"]["n"] == 2
         assert "exact_match,none" in record["summary"]["results"]["safe_gsm8k"]
-        assert record["summary"]["safe_stats"]["generated_tokens"] >= 0
+        generated = record["summary"]["safe_stats"]["generated_tokens"]
+        assert 2 <= generated <= 2 * 4, "2 requests of 1 to max_gen_toks=4 tokens each"
+        config = by_name[record["config"]]
+        if not config.is_single:  # the traces hold each request's drafted ids: the same count
+            traces = compare.cell_run_dir(config, "safe_gsm8k", settings).rglob("traces_safe_gsm8k_*.jsonl")
+            lines = [json.loads(line) for path in traces for line in path.read_text().splitlines()]
+            assert len(lines) == 2 and generated == sum(len(line["ids"]) for line in lines), record["config"]
     ensembles = [r for r in records if r["config"] == "unite-every"]
     assert ensembles and ensembles[0]["summary"]["safe_stats"]["ensemble_rate_percent"] > 0
 

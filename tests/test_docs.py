@@ -4,7 +4,7 @@ Every ```bash block of README.md and docs/*.md must be valid bash (``bash -n``),
 command in it that this project or lm-eval parses must get past that parser: ``lm_eval ...``
 (lm-eval's own CLI parser, as tests/helpers.py's ``parse_lm_eval_command`` runs it, with
 ``--model_args`` through the backend's ``parse_model_args`` and, for ``safe-ensemble``, its
-option validation), ``lm-eval-safe ...`` (``serve``, ``report`` and the lm_eval form),
+option validation), ``lm-eval-safe ...`` (its subcommands through its own parser, and the lm_eval form),
 ``python scripts/X.py ...`` (the script's own argparse parser) and ``bash scripts/setup.sh``.
 A word that bash would run as a program must be one the docs are expected to use, so an
 unquoted ``|`` inside a list (``tensor_parallel_size=2|1``) fails: bash reads it as a pipe
@@ -210,29 +210,21 @@ def task_names() -> set[str]:
     return names
 
 
-def check_lm_eval_safe(argv: list[str]) -> None:
-    if argv[:1] == ["serve"]:
-        from lm_eval_safe.serve.main import parser
+def check_lm_eval_safe(argv: list[str]) -> str:
+    """A subcommand through ``lm-eval-safe``'s own parser (``serve``'s model_args validated
+    as well); anything else as the lm_eval command it becomes. Returns what checked it."""
+    from lm_eval_safe import cli
 
-        err = io.StringIO()
-        try:
-            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-                args = parser().parse_args(argv[1:])
-        except SystemExit as exc:
-            raise AssertionError(f"lm-eval-safe serve refuses its arguments ({exc.code}): {err.getvalue().strip()}") from None
-        check_safe_ensemble_args(args.model_args)
-    elif argv[:1] == ["report"]:
-        from lm_eval_safe import cli
-
-        check_parses(lambda: cli.report(argv[1:]), "lm-eval-safe report", argv[1:])
-    elif argv[:1] == ["models"]:
-        from lm_eval_safe import cli
-
-        check_parses(lambda: cli.models(argv[1:]), "lm-eval-safe models", argv[1:])
-    else:  # lm_eval with --model safe-ensemble unless given, and this project's tasks
-        if not any(a == "--model" or a.startswith("--model=") for a in argv):
-            argv = ["--model", "safe-ensemble", *argv]
-        check_lm_eval(argv)
+    if argv[:1] and argv[0] in cli.SUBCOMMANDS:
+        args = check_parses(lambda: cli.main(argv), "lm-eval-safe", argv)
+        if argv[0] == "serve":
+            check_safe_ensemble_args(args.model_args)
+        return f"lm-eval-safe {argv[0]}"
+    # lm_eval with --model safe-ensemble unless given, and this project's tasks
+    if not any(a == "--model" or a.startswith("--model=") for a in argv):
+        argv = ["--model", "safe-ensemble", *argv]
+    check_lm_eval(argv)
+    return "lm-eval-safe"
 
 
 def check_script(script: str, argv: list[str]) -> None:
@@ -262,8 +254,7 @@ def check_command(argv: tuple[str, ...]) -> str:
         check_lm_eval(words[1:])
         return "lm_eval"
     if program == "lm-eval-safe":
-        check_lm_eval_safe(words[1:])
-        return "lm-eval-safe"
+        return check_lm_eval_safe(words[1:])
     if program in PYTHONS or program in ("torchrun",):
         if "-m" in words:
             module, rest = words[words.index("-m") + 1], words[words.index("-m") + 2 :]
@@ -315,7 +306,8 @@ def test_python_blocks_compile(block: Block) -> None:
 def test_the_docs_show_the_main_commands() -> None:
     """The checks above see the commands they are meant for."""
     checked = [check_command(c.argv) for c in all_commands()]
-    for kind in ("lm_eval", "lm-eval-safe", "script", "setup.sh", "pytest"):
+    kinds = ("lm_eval", "lm-eval-safe", "lm-eval-safe leaderboard", "lm-eval-safe bench", "lm-eval-safe serve")
+    for kind in (*kinds, "script", "setup.sh", "pytest"):
         assert kind in checked, kind
 
 
@@ -330,6 +322,9 @@ def test_the_docs_show_the_main_commands() -> None:
         "lm-eval-safe serve --model_args members=a,b --no-such-flag",
         "lm-eval-safe report results --no-such-flag",
         "python scripts/bench_speed.py --no-such-flag",
+        "lm-eval-safe bench speed --no-such-flag",
+        "lm-eval-safe bench no-such-benchmark",
+        "lm-eval-safe leaderboard --preset no-such-preset",
         "python scripts/no_such_script.py",
         "bash scripts/setup.sh --no-such-flag",
         "lm_eval --model safe-ensemble --model_args members=a,b ...",

@@ -263,18 +263,19 @@ def test_short_drafter_heads_widen_and_decide_as_the_full_rows(
 
 
 def test_bench_host_runs_end_to_end(tiny_bpe_dir: Path, tiny_sp_dir: Path, tmp_path: Path) -> None:
-    """scripts/bench_host.py on tiny members: every configuration at each batch size, the
+    """lm-eval-safe bench host on tiny members: every configuration at each batch size, the
     median of the timed repeats, the device work between the forwards (KV moves and heads,
     timed in the same pass: the host time less it is below the host time) and the kernels the
     counted pass saw launched."""
     import json
 
-    from helpers import load_script, write_gsm8k
+    from helpers import write_gsm8k
+
+    from lm_eval_safe.bench.commands import host as script
 
     rows = [{"question": f"What is {i} plus 3?", "answer": f"{i}+3={i + 3}\n#### {i + 3}"} for i in range(4)]
     data = write_gsm8k(tmp_path, rows)
     out = tmp_path / "host.json"
-    script = load_script("bench_host", "bench_host_e2e")
     argv = ["--members", f"{tiny_bpe_dir},{tiny_sp_dir}", "--prompts", "2", "--shots", "1"]
     argv += ["--max-new-tokens", "6", "--batch-sizes", "1,2", "--repeats", "2", "--data-dir", str(data)]
     assert script.main([*argv, "--device", "cpu", "--dtype", "float32", "--json", str(out)]) == 0

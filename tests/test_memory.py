@@ -1,6 +1,6 @@
 """Memory stays flat over a long run: 200 generate requests of 256 tokens on the
 tiny members, in one ``generate_until`` call as lm-eval makes it, sampled with the probe of
-``lm_eval_safe.bench.memory`` that ``scripts/bench_memory.py`` uses on the real members."""
+``lm_eval_safe.bench.memory`` that ``lm-eval-safe bench memory`` uses on the real members."""
 
 from __future__ import annotations
 

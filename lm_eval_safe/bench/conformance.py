@@ -1,6 +1,6 @@
 """The conformance suite against the SAFE authors' code: its settings, prompts and record.
 
-``scripts/conformance_authors.py`` runs the authors' ``safe_generate_unite`` and
+``lm-eval-safe bench conformance`` runs the authors' ``safe_generate_unite`` and
 ``safe_generate_gac`` (in the Python their code needs, ``scripts/authors_runner.py``) and this
 package on the same real members, prompts and settings, and writes what both produced to
 ``tests/data/authors_conformance.json``; ``tests/test_authors_conformance.py`` holds this

@@ -1,4 +1,4 @@
-"""The markdown tables of ``scripts/bench_eval.py``'s report (whole evaluation runs side by
+"""The markdown tables of ``lm-eval-safe bench eval``'s report (whole evaluation runs side by
 side): wall times and their ratios, then what each safe-ensemble run cost per generated token."""
 
 from __future__ import annotations
@@ -46,3 +46,22 @@ def markdown(report: dict[str, Any], labels: dict[str, str], base: str) -> str:
         if report.get(key):
             lines += ["", f"{key.replace('_', ' ')}: {report[key][0]}/{report[key][1]}"]
     return "\n".join(lines) + "\n"
+
+
+def responses(results: dict[str, Any]) -> dict[tuple[str, int], str]:
+    """Each (task, document)'s first response, from ``simple_evaluate``'s logged samples."""
+    out = {}
+    for task, samples in results.get("samples", {}).items():
+        for sample in samples:
+            out[task, int(sample["doc_id"])] = sample["resps"][0][0]
+    return out
+
+
+def scores(results: dict[str, Any]) -> dict[str, float]:
+    """Each task's exact-match value for the report (of several filters, the last one listed)."""
+    return {
+        task: value
+        for task, metrics in results["results"].items()
+        for key, value in metrics.items()
+        if key.startswith("exact_match") and "stderr" not in key and isinstance(value, float)
+    }

@@ -1,4 +1,4 @@
-"""The floor of ``scripts/bench_speed.py``: the least any draft-then-verify scheme can cost.
+"""The floor of ``lm-eval-safe bench speed``: the least any draft-then-verify scheme can cost.
 
 The drafter's own decoding plus one verifier forward per cycle over only the new verifier
 tokens (with cache reuse, through ``VerifierRun.sync``), and nothing else: SAFE's time over the

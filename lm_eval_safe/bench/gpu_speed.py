@@ -7,7 +7,7 @@ ensembling, E/T near its ceiling); the same 8B shape twice, one copy perturbed s
 two members of one family that agree at most positions (the case SAFE's skips are for).
 
 Each row is timed with the transformers engine's ``ForwardClock`` (its instruments), the clock of
-``scripts/bench_host.py`` (CUDA events on the members' stream): wall time, the device time
+``lm-eval-safe bench host`` (CUDA events on the members' stream): wall time, the device time
 inside the members' forwards, and from them the host milliseconds per token (the device's time
 outside the forwards) and the forward-time share (forward time over wall time; with
 ``overlap=on`` a verifier thread's forwards may interleave with the drafter's on one stream, so

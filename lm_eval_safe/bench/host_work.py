@@ -1,4 +1,4 @@
-"""Host work per generated token (``scripts/bench_host.py``): the time a GPU would leave idle.
+"""Host work per generated token (``lm-eval-safe bench host``): the time a GPU would leave idle.
 
 On a GPU the members' forwards shrink by one or two orders of magnitude and the Python work
 between them does not, so the figure that decides whether a device stays busy is *wall time

@@ -1,4 +1,4 @@
-"""The modelled GPU ratio of ``scripts/bench_speed.py``: each run's counted forwards
+"""The modelled GPU ratio of ``lm-eval-safe bench speed``: each run's counted forwards
 (:mod:`lm_eval_safe.decoder.latency`) priced with per-forward latencies measured on this machine.
 
 Inputs, and nothing else: each member's latency of one forward over 1 and over 5 new tokens
@@ -7,7 +7,7 @@ prompt, a long backlog) is priced as one over 5: on a latency-bound device a few
 tokens of a small model cost about what a few do, and a CPU's per-row cost would otherwise
 charge the verifier's prefill as if it were the GPU's. The model then adds the forwards that
 must run one after another, in turn or overlapped. It is a model, stated as such, not a
-measurement; on a GPU ``bench_speed.py --member-devices cuda:0,cuda:1`` with the
+measurement; on a GPU ``lm-eval-safe bench speed --member-devices cuda:0,cuda:1`` with the
 ``safe_*_overlap`` methods measures the real ratio.
 """
 

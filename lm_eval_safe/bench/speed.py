@@ -1,4 +1,4 @@
-"""The methods ``scripts/bench_speed.py`` times, one prompt at a time.
+"""The methods ``lm-eval-safe bench speed`` times, one prompt at a time.
 
 Members are loaded once; every method then runs on the same prompt back to back (prompt 1:
 A, B, C, ...; prompt 2: A, B, C, ...), so drift of the machine (other jobs, thermal state) hits

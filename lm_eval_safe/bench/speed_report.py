@@ -1,4 +1,4 @@
-"""Per-method totals and per-token-time ratios of ``scripts/bench_speed.py``'s runs, and its
+"""Per-method totals and per-token-time ratios of ``lm-eval-safe bench speed``'s runs, and its
 markdown table.
 
 Absolute tokens/s on a shared CPU mean little, so the numbers that matter are ratios of

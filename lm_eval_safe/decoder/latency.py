@@ -11,7 +11,7 @@ cycle's drafting; only a replacement (the speculative draft is dropped), the las
 verification longer than the next draft keep the drafter waiting.
 
 This is a model, computed from counted forwards with per-forward costs as its only inputs
-(one per forward in ``safe_stats``; ``scripts/bench_speed.py`` uses latencies measured for 1
+(one per forward in ``safe_stats``; ``lm-eval-safe bench speed`` uses latencies measured for 1
 and 5 rows), not a measurement of any device.
 """
 

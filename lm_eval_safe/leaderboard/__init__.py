@@ -1,4 +1,4 @@
-"""The leaderboard behind ``scripts/compare.py``: members alone vs. ensembles on the paper's tasks.
+"""The leaderboard behind ``lm-eval-safe leaderboard``: members alone vs. ensembles on the paper's tasks.
 
 Why a package and not the script alone: the numbers of a leaderboard (accuracy with its Wilson
 interval, E/T, acceptance, tokens/s, wall time) are read from cached results by more than one

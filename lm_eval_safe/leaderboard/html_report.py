@@ -4,7 +4,7 @@ It shows what ``safe_stats`` totals cannot: *where* an ensemble acted. Four part
 network (styles, scripts and plots are inline, so it opens from disk on an offline machine):
 
 - the leaderboard, with the figures :func:`~lm_eval_safe.leaderboard.report.cell_figures`
-  computes for ``compare.py``'s markdown (one code path, so two views never disagree), and a
+  computes for the leaderboard's markdown (one code path, so two views never disagree), and a
   paired test of each ensemble's gap on the questions both it and the best member alone
   answered (exact McNemar);
 - plots (accuracy against E/T, speed) drawn by matplotlib as inline SVG

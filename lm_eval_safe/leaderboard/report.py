@@ -1,7 +1,7 @@
 """What a leaderboard shows: the numbers of every cell, its markdown tables and its plot.
 
 The figures of a cell (:func:`cell_figures`) are computed here once, from outcomes, and every
-view formats them: the markdown table of ``scripts/compare.py`` and any other report over the
+view formats them: the markdown table of ``lm-eval-safe leaderboard`` and any other report over the
 same results, so two views of one run can never disagree. Accuracy prints with the gap to the
 best single member as the paper does (``76.0 (+1.2)``), plus a 95% Wilson interval from the
 sample count: on small subsets the interval is what tells whether a gap means anything.

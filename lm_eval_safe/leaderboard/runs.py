@@ -4,7 +4,7 @@ each task's :class:`~lm_eval_safe.leaderboard.result_cache.Outcome`, every sampl
 
 A folder is what ``lm_eval --output_path DIR --log_samples`` writes (``results_<date>.json``
 and ``samples_<task>_<date>.jsonl``, in a subfolder named after the model) or a folder above
-several of them, such as a ``scripts/compare.py`` output. ``--model hf`` runs are members
+several of them, such as a ``lm-eval-safe leaderboard`` output. ``--model hf`` runs are members
 alone. Anything that would make a report lie (no samples, a trace that does not belong to its
 samples, two runs of one configuration, one task at two limits) is a :class:`RunsError`.
 """
@@ -66,7 +66,7 @@ class Run:
 
 
 def _configuration(config: dict[str, Any], folder: Path) -> tuple[str, bool, list[str]]:
-    """(name, is a member alone, member names) of a run, named as ``compare.py`` names its rows."""
+    """(name, is a member alone, member names) of a run, named as the leaderboard names its rows."""
     model = config.get("model")  # a registry name, or the class of a model object passed in
     if model in HF_MODELS:
         args = parse_model_args(config.get("model_args") or "")

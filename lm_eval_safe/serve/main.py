@@ -27,12 +27,20 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 SERVER_PACKAGES = {"fastapi": "fastapi", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client"}
 
 
+DESCRIPTION = (
+    "Serve a SAFE ensemble behind an OpenAI-compatible API (/v1/completions, "
+    "/v1/chat/completions, /v1/models, /health, /metrics)."
+)
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="lm-eval-safe serve",
-        description="Serve a SAFE ensemble behind an OpenAI-compatible API (/v1/completions, "
-        "/v1/chat/completions, /v1/models, /health, /metrics).",
-    )
+    p = argparse.ArgumentParser(prog="lm-eval-safe serve", description=DESCRIPTION)
+    configure(p)
+    return p
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    """The server's options, on its own parser or on ``lm-eval-safe``'s ``serve`` subcommand."""
     p.add_argument(
         "--model_args",
         "--model-args",
@@ -57,11 +65,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM")
     p.add_argument("--log-prompts", action="store_true", help="log each request's prompt (off by default)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    return p
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    run(parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> None:
+    """Start the server the parsed options describe; return once it has stopped."""
     missing = [pip for module, pip in SERVER_PACKAGES.items() if importlib.util.find_spec(module) is None]
     if missing:
         sys.exit(

@@ -209,7 +209,7 @@ class MemberBatch(CacheRows, DraftingBatch):
 
 
 # batch_size=auto on CPU: rows decoded together. Past about 8 rows a CPU's matrix units are
-# busy and more rows only add latency (scripts/bench_batch.py measures the curve).
+# busy and more rows only add latency (lm-eval-safe bench batch measures the curve).
 AUTO_CPU_ROWS = 8
 
 
