@@ -15,12 +15,12 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from helpers import load_script, parse_lm_eval_command
+from helpers import REPO, load_script, parse_lm_eval_command
 
 from lm_eval_safe.leaderboard.configs import ENSEMBLE_CONFIGS, build_configs
 from lm_eval_safe.leaderboard.report import wilson_interval
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = REPO
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 GSM8K_ROWS = [
