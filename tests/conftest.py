@@ -53,22 +53,6 @@ TINY_VOCAB_PAD = 37  # Qwen-like: embedding rows beyond len(tokenizer)
 VLLM_HIDDEN, VLLM_HEADS = 128, 4
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    """Register markers so `-m "not real"` works and --strict-markers does not fail."""
-    config.addinivalue_line(
-        "markers",
-        "real: uses real pretrained GGUF models fetched by ../shared/models/fetch.sh (slow; large download once)",
-    )
-    config.addinivalue_line(
-        "markers",
-        "parity: real-model parity checks cheap enough to run on every supported version (with -m real)",
-    )
-    config.addinivalue_line(
-        "markers",
-        "vllm: needs vLLM installed (bash scripts/setup.sh --vllm); skipped without it unless LM_EVAL_SAFE_REQUIRE_VLLM=1",
-    )
-
-
 # --------------------------------------------------------------------------------------
 # Tiny in-process models
 # --------------------------------------------------------------------------------------

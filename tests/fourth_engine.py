@@ -1,5 +1,5 @@
 """An engine claiming a key another engine already claims (llama.cpp's ``n_ctx``): registering
-it is refused (tests/test_engine_registry.py)."""
+it is refused (tests/engines/test_engine_registry.py)."""
 
 from __future__ import annotations
 

@@ -13,6 +13,9 @@ from lm_eval.api.instance import Instance
 
 from lm_eval_safe.bench.server import free_port
 
+#: the repository's root (tests lie in folders by concept below tests/)
+REPO = Path(__file__).resolve().parents[1]
+
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "12", "dogs", "ran", "over", "3", "hills", "while", "Anna", "counted", "45", "apples", "in", "the", "garden", "because", "numbers", "like", "7", "and", "8", "sum", "to", "15", "so", "we", "write", "\\frac{1}{2}", "or", "\\boxed{42}", "café", "naïve", "über", "数学", "question", "answer", "total", "clips", "sold"]
 
 
@@ -167,7 +170,7 @@ def run_gsm8k_cli(prefix: list[str], model_args: str, data_dir: Path, out: Path,
     import os
     import subprocess
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = REPO
     cmd = [
         *prefix, "-m", "lm_eval",
         "--model", "safe-ensemble",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -53,3 +54,27 @@ def rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def stream_pieces(server: Any, path: str, body: dict[str, Any]) -> tuple[list[str], list[dict]]:
+    """The text pieces of a streamed response, and every event's body."""
+    status, events = None, []
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    reply = conn.getresponse()
+    status = reply.status
+    for line in reply.read().decode().splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            events.append(json.loads(line[len("data: "):]))
+    conn.close()
+    assert status == 200, events
+    pieces = []
+    for e in events:
+        for choice in e["choices"]:
+            piece = choice["delta"].get("content") if "delta" in choice else choice["text"]
+            if piece:
+                pieces.append(piece)
+    return pieces, events
+
+
+# -- same texts ---------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ def test_simple_evaluate_batch_size_gives_the_same_responses(
     tmp_path: Path, tiny_bpe_dir: Path, tiny_gemma_dir: Path
 ) -> None:
     """lm-eval's own ``batch_size`` argument reaches generation: 4 rows at a time, refilled,
-    give the responses of one at a time (float64, see tests/test_batching.py)."""
+    give the responses of one at a time (float64, see tests/decoder/test_batch_driver.py)."""
     rows = [
         {"question": f"Tom has {a} apples and buys {b} more. How many now?", "answer": f"#### {a + b}"}
         for a, b in [(2, 3), (10, 7), (4, 4), (31, 12), (5, 9), (8, 1)]

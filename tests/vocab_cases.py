@@ -1,7 +1,7 @@
 """The tokenizers the vocabulary tests read (tiny ones built in-process, the real members'),
 the hard texts they spell, and how a test gets one by name (the fixtures loading them once
 per session are conftest.py's ``tiny_loaded`` and ``real_loaded``); imported by
-tests/test_token_boundaries.py and tests/test_vocabulary.py."""
+tests/members/test_token_boundaries.py and tests/members/test_vocabulary.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 ``lm-eval-safe bench conformance`` runs the authors' ``safe_generate_unite`` and
 ``safe_generate_gac`` (in the Python their code needs, ``scripts/authors_runner.py``) and this
 package on the same real members, prompts and settings, and writes what both produced to
-``tests/data/authors_conformance.json``; ``tests/test_authors_conformance.py`` holds this
+``tests/data/authors_conformance.json``; ``tests/ensemble/authors/test_authors_conformance.py`` holds this
 package to that record without any copy of the authors' code. Both take the prompts and the
 project's side from here, so a test decodes exactly what the script compared.
 """

@@ -13,7 +13,7 @@ for the full distributions (:class:`~lm_eval_safe.engines.base.Complete`), on wh
 code of :mod:`lm_eval_safe.ensemble.aggregate` decides.
 
 The rules mirror :func:`~lm_eval_safe.ensemble.aggregate.gac` and :func:`~lm_eval_safe.ensemble.aggregate.unite`
-step by step; ``tests/test_certified.py`` checks every certified decision against those
+step by step; ``tests/ensemble/test_certified.py`` checks every certified decision against those
 functions on the full distributions the heads were cut from.
 """
 

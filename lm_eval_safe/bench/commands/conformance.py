@@ -5,7 +5,7 @@ settings through their ``safe_generate_unite`` / ``safe_generate_gac`` and throu
 It prints, per setting and prompt, whether the texts and ensemble positions agree, and with
 ``--write`` records everything (the authors' ids, texts and ensemble positions, both of this
 package's, the settings, the members' sha256 and the versions on both sides) as the expected
-values ``tests/test_authors_conformance.py`` holds the package to.
+values ``tests/ensemble/authors/test_authors_conformance.py`` holds the package to.
 
 The authors' code is never downloaded or copied here; give a folder holding it. How the record
 in ``tests/data/authors_conformance.json`` was made, on the project's 2-core CPU VM:

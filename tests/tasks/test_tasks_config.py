@@ -14,15 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import REPO
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
-REPO = Path(__file__).resolve().parents[1]
 TASKS = REPO / "tasks"
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-if importlib.util.find_spec("lm_eval_safe") is None:  # plain checkout, not installed
-    sys.path.insert(0, str(REPO))
+DATA = REPO.parent / "shared" / "data"
 
 import lm_eval  # noqa: E402
 import yaml  # noqa: E402

@@ -2,7 +2,7 @@
 ``hf:ORG/REPO[:QUANT]`` and ``lmstudio:PUBLISHER/REPO[/FILE]``, and ``lm-eval-safe models``,
 on stores built as their programs lay them out (tests/store_builders.py) from small GGUF files:
 each name resolves to the file it means, bad stores fail in one line that says what to do.
-The real members through each name: tests/test_stores_real.py.
+The real members through each name: tests/members/test_store_members.py.
 """
 
 from __future__ import annotations

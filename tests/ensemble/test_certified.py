@@ -16,7 +16,7 @@ import random
 
 import pytest
 import torch
-from test_aggregate import member
+from aggregate_cases import member
 
 from lm_eval_safe.engines.base import TopLogprobs
 from lm_eval_safe.ensemble.aggregate import UnionVocabulary, View, gac, unite
@@ -172,7 +172,7 @@ def _byte_member(table: dict[bytes, float], weight: float) -> View:
     """A member whose strings may be bytes that are no UTF-8 text (a byte-level BPE's piece of
     a multi-byte character): another member has no id for such a string (UniTE reads it as
     probability 0, GaC's union has no entry of that member for it)."""
-    from test_aggregate import GreedyTokenizer, vocabulary
+    from aggregate_cases import GreedyTokenizer, vocabulary
 
     keys = list(table)
     vocab = vocabulary(keys)

@@ -4,7 +4,7 @@ package, lm-eval's own API models, plain HTTP).
 The reference for every text is the backend itself in this process (``--model safe-ensemble``'s
 ``generate_until``, one request at a time), which the rest of the suite checks against
 transformers' own decoding. The members run in float64, so that the batch a request lands in
-cannot change its text through rounding (tests/test_batching.py)."""
+cannot change its text through rounding (tests/decoder/test_batch_driver.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from helpers import gen_request, make_lm, random_prompts, write_gsm8k
-from serve_helpers import ServerProcess, get, metric, post, rss_kib
+from serve_helpers import ServerProcess, get, metric, post, rss_kib, stream_pieces
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -52,28 +52,6 @@ def client(server: Any, key: str = "none") -> Any:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
 
 
-def stream_pieces(server: Any, path: str, body: dict[str, Any]) -> tuple[list[str], list[dict]]:
-    """The text pieces of a streamed response, and every event's body."""
-    status, events = None, []
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
-    conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
-    reply = conn.getresponse()
-    status = reply.status
-    for line in reply.read().decode().splitlines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            events.append(json.loads(line[len("data: "):]))
-    conn.close()
-    assert status == 200, events
-    pieces = []
-    for e in events:
-        for choice in e["choices"]:
-            piece = choice["delta"].get("content") if "delta" in choice else choice["text"]
-            if piece:
-                pieces.append(piece)
-    return pieces, events
-
-
-# -- same texts ---------------------------------------------------------------------------------
 def test_completions_equal_the_backend(server: Any, reference: Any) -> None:
     """Greedy completions through the openai client are byte for byte the backend's; a list of
     prompts gives one choice per prompt, in order; usage and the ``safe`` field are filled."""
@@ -151,7 +129,7 @@ def test_sampling_is_seeded_like_the_backend(server: Any, tiny_bpe_dir: Path, ti
 def test_logprobs_are_the_ensembles_scores_of_the_pieces(server: Any, reference: Any) -> None:
     """``logprobs``: the text cut at the members' common token boundaries, each piece with the
     ensemble's log-probability; they add up to the backend's ``loglikelihood`` of the text
-    (which tests/test_loglikelihood.py checks against lm-eval's ``hf``), ``echo`` prepends the
+    (which tests/scoring/test_loglikelihood.py checks against lm-eval's ``hf``), ``echo`` prepends the
     prompt's pieces, and a chat response carries them as ``content`` entries."""
     from helpers import ll_request
 

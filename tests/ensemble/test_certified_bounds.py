@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from test_aggregate import GreedyTokenizer, vocabulary
+from aggregate_cases import GreedyTokenizer, vocabulary
 
 from lm_eval_safe.engines.base import TopLogprobs, row_probability_bounds
 from lm_eval_safe.ensemble.aggregate import UnionVocabulary, View, gac, unite

@@ -1,6 +1,6 @@
 """``lm-eval-safe serve`` with members on vLLM (``engine=vllm``): concurrent clients, streamed and
 whole, get the texts the same members write alone on the transformers engine (the two engines
-write identical texts: tests/test_vllm_engine.py). Tiny members with a head size vLLM's CPU
+write identical texts: tests/engines/vllm/test_vllm_engine.py). Tiny members with a head size vLLM's CPU
 kernels accept."""
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 from helpers import gen_request, make_lm, random_prompts
-from serve_helpers import ServerProcess, get, post
-from test_serve import stream_pieces
+from serve_helpers import ServerProcess, get, post, stream_pieces
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("vllm_installed")]
 pytest.importorskip("fastapi")

@@ -16,83 +16,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from aggregate_cases import (
+    EOS,
+    POOL,
+    assert_choice,
+    member,
+    random_members,
+    run,
+    table_of,
+)
 from transformers import AutoTokenizer
 
-from lm_eval_safe.ensemble.aggregate import Choice, UnionVocabulary, View, gac, unite
-from lm_eval_safe.members.vocabulary import EOS_KEY, TokenVocabulary
-
-EOS = "<eos>"  # marks a member's EOS token in the tables below
-
-
-class GreedyTokenizer:
-    """Longest-match tokenizer over a member's strings: all ``encode_text`` needs of one.
-
-    UniTE scores a string a member lacks by the member's first token of that string, so the
-    fake members need a real (if simple) tokenization that the tests can follow by hand.
-    """
-
-    def __init__(self, strings: list[str]):
-        self.strings = strings
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids, pos = [], 0
-        while pos < len(text):
-            fits = [i for i, s in enumerate(self.strings) if s != EOS and text.startswith(s, pos)]
-            if not fits:
-                raise ValueError(f"cannot tokenize {text[pos:]!r}")
-            best = max(fits, key=lambda i: len(self.strings[i]))
-            ids.append(best)
-            pos += len(self.strings[best])
-        return ids
-
-
-def vocabulary(keys: list[bytes], text: list[bytes] | None = None, eos: frozenset[int] = frozenset()) -> TokenVocabulary:
-    """A made-up member's vocabulary: id i is ``keys[i]`` (a key may repeat: several ids spell
-    one string; the first is the one ``lookup`` names), spelling ``text[i]`` (default: the key)."""
-    lookup: dict[bytes, int] = {}
-    for i, key in enumerate(keys):
-        lookup.setdefault(key, i)
-    return TokenVocabulary(
-        text_bytes=list(keys) if text is None else text,
-        keys=keys,
-        special_ids=eos,
-        eos_ids=eos,
-        adds_prefix_space=False,
-        lookup=lookup,
-        fingerprint="fake-" + repr(keys),
-    )
-
-
-def member(table: dict[str, float], weight: float = 1.0) -> View:
-    """A member whose vocabulary is ``table``'s strings, with exactly those probabilities."""
-    strings = list(table)
-    keys = [EOS_KEY if s == EOS else s.encode("utf-8") for s in strings]
-    text = [b"" if s == EOS else s.encode("utf-8") for s in strings]
-    eos = frozenset(i for i, s in enumerate(strings) if s == EOS)
-    vocab = vocabulary(keys, text, eos)
-    probs = torch.tensor([table[s] for s in strings], dtype=torch.float64)
-    assert abs(float(probs.sum()) - 1.0) < 1e-9, table
-    return View(probs.log(), vocab, GreedyTokenizer(strings), weight)
-
-
-def run(method: str, views: list[View], sharpen: str = "none", lam: float = 0.1, k: int = 10):
-    """One aggregation with ``method`` ("gac" builds its union vocabulary first)."""
-    if method == "gac":
-        union = UnionVocabulary.build([v.vocab for v in views])
-        return gac(views, union, sharpen, lam, k)
-    return unite(views, sharpen, lam, k)
-
-
-def assert_choice(choice: Choice, key: str, probability: float, sharpened: bool) -> None:
-    expected_key = EOS_KEY if key == EOS else key.encode("utf-8")
-    assert choice.key == expected_key, (choice, key)
-    assert choice.probability == pytest.approx(probability, abs=1e-9), (choice, probability)
-    assert choice.sharpened is sharpened, choice
-
-
-# --------------------------------------------------------------------------------------
-# GaC: average of full distributions over the union vocabulary
-# --------------------------------------------------------------------------------------
+from lm_eval_safe.ensemble.aggregate import View, unite
+from lm_eval_safe.members.vocabulary import TokenVocabulary
 
 A_TABLE = {"The": 0.4, " Th": 0.3, "A": 0.2, "x": 0.1}
 B_TABLE = {"A": 0.5, "The": 0.25, "y": 0.25}
@@ -295,46 +231,11 @@ def test_sharpening_needs_the_drafters_top_k_and_candidates() -> None:
 # Random checks against a reference, and Theorem 1
 # --------------------------------------------------------------------------------------
 
-POOL = ["a", "b", "c", "ab", "ba", "abc", "ca", "cab", "bb", "aab", " a", " ", "cc"]
-
-
-def _random_members(rng: random.Random, winner: str | None) -> list[View]:
-    """2-3 members over random sub-vocabularies of POOL (all hold the single letters).
-
-    If ``winner`` is given, it is every member's most probable string.
-    """
-    views = []
-    for _ in range(rng.randint(2, 3)):
-        strings = sorted(
-            {"a", "b", "c", " "}
-            | set(rng.sample(POOL, rng.randint(3, len(POOL))))
-            | ({winner} if winner else set())
-        )
-        raw = [rng.expovariate(1.0) for _ in strings]
-        if winner:
-            raw[strings.index(winner)] = max(raw) * (1.05 + rng.random())
-        total = sum(raw)
-        views.append(
-            member(
-                {s: r / total for s, r in zip(strings, raw, strict=True)},
-                weight=rng.uniform(0.2, 3.0),
-            )
-        )
-    return views
-
-
-def _table(view: View) -> dict[str, float]:
-    return {
-        s: math.exp(float(lp))
-        for s, lp in zip(view.tokenizer.strings, view.logprobs.tolist(), strict=True)
-    }
-
-
 def _reference_gac(views: list[View]) -> dict[str, float]:
     weights = [v.weight / sum(w.weight for w in views) for v in views]
     out: dict[str, float] = {}
     for view, w in zip(views, weights, strict=True):
-        for s, p in _table(view).items():
+        for s, p in table_of(view).items():
             out[s] = out.get(s, 0.0) + w * p
     return out
 
@@ -343,13 +244,13 @@ def _reference_unite(views: list[View], k: int) -> dict[str, float]:
     weights = [v.weight / sum(w.weight for w in views) for v in views]
     union: list[str] = []
     for view in views:
-        table = _table(view)
+        table = table_of(view)
         for s in sorted(table, key=lambda s: -table[s])[:k]:
             if s not in union:
                 union.append(s)
     out = dict.fromkeys(union, 0.0)
     for view, w in zip(views, weights, strict=True):
-        table = _table(view)
+        table = table_of(view)
         own = {}
         for s in union:  # a lacking string: greedy longest match gives the first token
             first = s if s in table else max((t for t in table if s.startswith(t)), key=len)
@@ -364,7 +265,7 @@ def test_random_distributions_match_reference() -> None:
     """GaC and UniTE (k=3) agree with straightforward reference implementations."""
     rng = random.Random(1234)
     for _ in range(60):
-        views = _random_members(rng, None)
+        views = random_members(rng, None)
         for method, ref in (("gac", _reference_gac(views)), ("unite", _reference_unite(views, 3))):
             best = max(ref, key=lambda s: ref[s])
             assert_choice(run(method, views, k=3), best, ref[best], False)
@@ -381,6 +282,6 @@ def test_theorem_1_common_argmax_wins(method: str) -> None:
     rng = random.Random(7)
     for trial in range(100):
         winner = rng.choice(POOL[3:])
-        views = _random_members(rng, winner)
+        views = random_members(rng, winner)
         choice = run(method, views, "none", k=rng.randint(1, 5))
         assert choice.key == winner.encode("utf-8"), (trial, winner, choice)

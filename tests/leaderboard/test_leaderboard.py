@@ -20,7 +20,6 @@ from helpers import parse_lm_eval_command
 from lm_eval_safe.leaderboard.configs import ENSEMBLE_CONFIGS, build_configs
 from lm_eval_safe.leaderboard.report import wilson_interval
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 GSM8K_ROWS = [

@@ -17,10 +17,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import write_apples_gsm8k
+from helpers import REPO, write_apples_gsm8k
 from tiny_tokenizers import train_byte_bpe_tokenizer, train_sentencepiece_style_tokenizer
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "check_gpu.sh"
+SCRIPT = REPO / "scripts" / "check_gpu.sh"
 
 
 @pytest.fixture(scope="module")

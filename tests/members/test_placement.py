@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import ll_request, make_lm
+from helpers import REPO, ll_request, make_lm
 
 from lm_eval_safe.errors import OptionError
 from lm_eval_safe.harness.model import SafeEnsembleLM
 from lm_eval_safe.members.placement import Placement, plan_placement, resolve_device
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = REPO
 MEMBERS = ["org/a", "/models/b"]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import gen_request, make_lm, random_prompts
+from helpers import REPO, gen_request, make_lm, random_prompts
 from lm_eval.api.instance import Instance
 
 from lm_eval_safe import engines
@@ -207,7 +207,7 @@ def test_alias_wheels_are_checked_against_the_pinned_sha256(
 def test_setup_script_refuses_an_unknown_option_before_doing_anything(tmp_path: Path) -> None:
     import subprocess
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "setup.sh"
+    script = REPO / "scripts" / "setup.sh"
     proc = subprocess.run(
         ["bash", str(script), "--no-such-flag", str(tmp_path / "venv")],
         capture_output=True, text=True, timeout=60,

@@ -7,7 +7,6 @@ problem with a *different* problem's answer to bound false positives.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -19,14 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import REPO
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-if importlib.util.find_spec("lm_eval_safe") is None:  # plain checkout, not installed
-    sys.path.insert(0, str(REPO))
+DATA = REPO.parent / "shared" / "data"
 
 from lm_eval_safe import answer_checking as ac  # noqa: E402
 

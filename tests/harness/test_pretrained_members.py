@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import gen_request, ll_request
+from helpers import REPO, gen_request, ll_request
 
 pytestmark = pytest.mark.real
 
@@ -157,12 +157,12 @@ def test_three_real_members(models: Path) -> None:
 
 def test_lm_eval_cli_end_to_end(models: Path, shared_dir: Path, tmp_path: Path) -> None:
     """The literal user command, in a subprocess, with members=a,b from the CLI."""
-    repo = Path(__file__).resolve().parents[1]
+    repo = REPO
     cmd = [
         sys.executable, "-m", "lm_eval",
         "--model", "safe-ensemble",
         "--model_args", "members=smollm2-135m,gemma3-270m",
-        # one task of each kind (BBH's groups and their aggregation: tests/test_tasks_config.py)
+        # one task of each kind (BBH's groups and their aggregation: tests/tasks/test_tasks_config.py)
         "--tasks", "safe_gsm8k,safe_math500,safe_bbh_snarks",
         "--gen_kwargs", "max_gen_toks=12",
         "--include_path", str(repo / "tasks"),

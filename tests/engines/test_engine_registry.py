@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import third_engine
-from helpers import gen_request, make_lm, random_prompts
+from helpers import REPO, gen_request, make_lm, random_prompts
 
 from lm_eval_safe import engines
 from lm_eval_safe.engines.registry import engine_names, register, unregister
@@ -17,7 +17,7 @@ from lm_eval_safe.engines.spec import EngineSpec
 from lm_eval_safe.errors import OptionError
 from lm_eval_safe.options import parse_options
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = REPO
 NAME = third_engine.NAME
 
 

@@ -1,5 +1,6 @@
-"""Generation against independent references: transformers' greedy ``generate``, lm-eval's
-``hf`` model, and the paper's Theorem 1 (where SAFE skips, the average agrees)."""
+"""The decoder loop against independent references: transformers' greedy ``generate`` and
+lm-eval's ``hf`` model (stop strings, budgets, truncation, chat templates, members of different
+tokenizers). When to ensemble: tests/decoder/test_schedules.py."""
 
 from __future__ import annotations
 
@@ -7,11 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import as_full, gen_request, hf_greedy_text, make_lm, random_prompts
+from helpers import gen_request, hf_greedy_text, make_lm, random_prompts
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from lm_eval_safe.decoder.member_runs import VerifierRun
-from lm_eval_safe.engines import load_member
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +89,7 @@ def test_empty_prompt_is_one_line_error(bpe_single) -> None:
 
 
 def test_sampling_request_is_sampled_and_unsupported_options_refused(bpe_single) -> None:
-    """do_sample=True is decoded by sampling (tests/test_sampling.py checks how); an
+    """do_sample=True is decoded by sampling (tests/ensemble/test_sampling.py checks how); an
     option that would change the output and that we cannot honour is still refused, never
     silently dropped."""
     (text,) = bpe_single.generate_until(
@@ -103,78 +101,6 @@ def test_sampling_request_is_sampled_and_unsupported_options_refused(bpe_single)
             [gen_request("hi", until=[], max_gen_toks=4, do_sample=True, temperature=0.7, min_p=0.1)],
             disable_tqdm=True,
         )
-
-
-def test_ensemble_keeping_the_drafted_token_never_redrafts(
-    tiny_bpe_dir: Path, tiny_bpe_perturbed_dir: Path, bpe_reference
-) -> None:
-    """With the verifier's weight at 0, every ensemble (``aligned``: at every aligned position)
-    picks the drafter's own token; the tokens drafted after it are then kept, not drafted
-    again, so the drafter runs exactly once per generated token and says what it says alone."""
-    lm = make_lm(
-        tiny_bpe_dir,
-        tiny_bpe_perturbed_dir,
-        schedule="aligned",
-        aggregator="unite",
-        sharpen="none",
-        weights="1,0",
-    )
-    model, tok = bpe_reference
-    for prompt in random_prompts(6, seed=6):
-        (got,) = lm.generate_until([gen_request(prompt, until=[], max_gen_toks=24)], disable_tqdm=True)
-        assert got == hf_greedy_text(model, tok, prompt, 24)
-    stats = lm.run_stats
-    assert stats.ensemble_ops >= 3
-    assert stats.drafted_tokens == stats.generated_tokens
-    assert stats.accepted_tokens == stats.generated_tokens
-
-
-@pytest.mark.parametrize("schedule", ["drafter", "safe", "aligned"])
-def test_same_model_twice_equals_hf_generate(tiny_bpe_dir: Path, bpe_reference, schedule: str) -> None:
-    """Identical members agree at every aligned position, so schedules that only ensemble there
-    cannot change the drafter's greedy text. (``every``/``threshold`` also ensemble at misaligned,
-    OOV-like positions, where even a copy of the drafter sees a different tokenization: that is
-    the baseline's known failure, not a property to test.)"""
-    lm = make_lm(tiny_bpe_dir, tiny_bpe_dir, schedule=schedule, aggregator="unite", sharpen="none")
-    model, tok = bpe_reference
-    for prompt in random_prompts(3, seed=5):
-        (got,) = lm.generate_until([gen_request(prompt, until=[], max_gen_toks=20)], disable_tqdm=True)
-        assert got == hf_greedy_text(model, tok, prompt, 20)
-
-
-def test_theorem1_safe_equals_every_aligned_position(tiny_bpe_dir: Path, tiny_bpe_perturbed_dir: Path) -> None:
-    """Paper's Theorem 1: with the plain average (unite, no sharpening) skipping at consensus
-    never changes the output, so SAFE equals ensembling at every aligned position."""
-    opts = {"aggregator": "unite", "sharpen": "none"}
-    safe = make_lm(tiny_bpe_dir, tiny_bpe_perturbed_dir, schedule="safe", **opts)
-    aligned = make_lm(tiny_bpe_dir, tiny_bpe_perturbed_dir, schedule="aligned", **opts)
-    prompts = random_prompts(25, seed=6)
-    requests = [gen_request(p, until=[], max_gen_toks=24) for p in prompts]
-    assert safe.generate_until(requests, disable_tqdm=True) == aligned.generate_until(requests, disable_tqdm=True)
-    assert safe.run_stats.ensemble_ops > 0, "the test needs positions where the members disagree"
-    assert aligned.run_stats.ensemble_ops > safe.run_stats.ensemble_ops
-
-
-def test_theorem1_safe_equals_every_token(tiny_bpe_dir: Path, tiny_bpe_perturbed_dir: Path) -> None:
-    """Same tokenizer: on requests where the every-token baseline never ensembled at a
-    misaligned (OOV-like) position, SAFE must give exactly its output. A greedy drafter can emit
-    non-canonical tokenizations (two tokens where the tokenizer has one); there ``every`` feeds
-    the verifier an OOV-like prefix, which is the failure SAFE exists to avoid."""
-    opts = {"aggregator": "unite", "sharpen": "none"}
-    safe = make_lm(tiny_bpe_dir, tiny_bpe_perturbed_dir, schedule="safe", **opts)
-    every = make_lm(tiny_bpe_dir, tiny_bpe_perturbed_dir, schedule="every", **opts)
-    compared = 0
-    for prompt in random_prompts(40, seed=7):
-        request = [gen_request(prompt, until=[], max_gen_toks=16)]
-        (a,) = every.generate_until(request, disable_tqdm=True)
-        if every.request_stats[-1]["misaligned_ensembles"]:
-            continue
-        (b,) = safe.generate_until(request, disable_tqdm=True)
-        assert a == b
-        compared += 1
-    assert compared >= 5
-    assert every.run_stats.ensemble_rate == pytest.approx(100.0)
-    assert safe.run_stats.ensemble_rate < 100.0
 
 
 def test_different_tokenizers_run_and_report(tiny_bpe_dir: Path, tiny_sp_dir: Path) -> None:
@@ -198,43 +124,6 @@ def test_three_members_sp_drafter(tiny_bpe_dir: Path, tiny_sp_dir: Path, tiny_bp
     assert lm.drafter.name == tiny_sp_dir.name
     out = lm.generate_until([gen_request(p, until=[], max_gen_toks=16) for p in random_prompts(3, seed=9)], True)
     assert len(out) == 3 and lm.run_stats.generated_tokens > 0
-
-
-def _full_recompute(member, prompt_ids: list[int], ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        logits = member.engine.model(input_ids=torch.tensor([prompt_ids + ids])).logits[0, len(prompt_ids) - 1 :]
-    return torch.log_softmax(logits[:, : len(member.vocab)].float(), dim=-1)
-
-
-@pytest.mark.parametrize("family", ["bpe", "sp"])
-def test_verifier_cache_reuse_matches_full_recompute(tiny_bpe_dir: Path, tiny_sp_dir: Path, family: str) -> None:
-    member = load_member(str(tiny_bpe_dir if family == "bpe" else tiny_sp_dir), device="cpu")
-    prompt_ids = member.encode("the cat sat on the mat")
-    reuse = VerifierRun(member, prompt_ids, reuse_cache=True)
-    text = ""
-    words = random_prompts(1, seed=10)[0].split() * 3
-    for word in words:
-        committed = len(text.encode())
-        text += " " + word
-        # as the decoder does: distributions at every boundary of the newly added text
-        data = text.encode()
-        want = set(range(committed, len(data) + 1))
-        ids, ends = reuse.sync(text, data, want)
-        reference = _full_recompute(member, prompt_ids, ids)
-        wanted = {i for i in range(len(ids) + 1) if (ends[i - 1] if i else 0) >= committed}
-        assert wanted <= set(reuse.pred), (wanted - set(reuse.pred), text)
-        for i in range(len(ids) + 1):
-            if i in reuse.pred:
-                assert torch.allclose(as_full(reuse.pred[i]), reference[i], atol=1e-4), (i, text)
-        assert len(ids) in reuse.pred
-        reuse.forget_before(len(ids) - 3)
-    nocache = VerifierRun(member, prompt_ids, reuse_cache=False)
-    text = ""
-    for word in words:
-        text += " " + word
-        nocache.sync(text, text.encode())
-    assert reuse.recomputed < nocache.recomputed / 3
-    assert reuse.recomputed >= len(ids)
 
 
 def test_chat_template_rendered_per_member(tiny_bpe_dir: Path, tiny_sp_dir: Path, bpe_reference) -> None:

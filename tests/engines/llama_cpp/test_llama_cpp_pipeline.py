@@ -2,7 +2,7 @@
 ``--use_cache`` answers a run again without computing and keeps answers of settings that change
 logits apart, ``lm-eval-safe serve`` (a real process on a free port, lm-eval's own API model as
 its client) answers what the backend answers directly, and ``safe_stats`` says where the
-engine's seconds went. Traces on this engine: tests/test_tracing.py. Needs llama-cpp-python and
+engine's seconds went. Traces on this engine: tests/decoder/test_tracing.py. Needs llama-cpp-python and
 ../shared."""
 
 from __future__ import annotations

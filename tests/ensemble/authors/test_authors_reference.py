@@ -3,7 +3,7 @@ made-up tokenizers whose every string can be followed by hand, and on the tiny m
 
 The expected values are derived in each docstring from the authors' rules as
 docs/algorithm.md ("The authors' code") states them, never read from the code under test. The
-real members against the authors' own outputs: tests/test_authors_conformance.py.
+real members against the authors' own outputs: tests/ensemble/authors/test_authors_conformance.py.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def test_each_members_eos_is_its_own_string() -> None:
     = 0.426, <eos> 0.234: "x", which no sharpening changes (no string prefixes another), written
     as the drafter's "x". This package's one EOS key adds the two stops up: EOS 0.45 against
     "x" 0.41 stops the response."""
-    from test_aggregate import EOS, member
+    from aggregate_cases import EOS, member
 
     from lm_eval_safe.ensemble.aggregate import unite as paper_unite
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_aggregate import member
+from aggregate_cases import member
 
 from lm_eval_safe.decoder.loop import GenerationJob, SafeDecoder
 from lm_eval_safe.engines import load_member

@@ -1,7 +1,7 @@
 """Geometric sharpening as the paper and its authors apply it: where the mixture's maximum is
 below 0.5, the weighted geometric mean of the members' probabilities decides instead; a decided
 mixture stands. Hand-computed cases and random members of both regimes against the rule written
-out by hand (the members and helpers of tests/test_aggregate.py)."""
+out by hand (the members and helpers of tests/ensemble/test_aggregate.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 import random
 
 import pytest
-from test_aggregate import _random_members, _table, assert_choice, member, run
+from aggregate_cases import assert_choice, member, random_members, run, table_of
 
 from lm_eval_safe.ensemble.aggregate import View
 
@@ -73,11 +73,11 @@ def _unite_tables(views: list[View], k: int) -> list[dict[str, float]]:
     through its first token), by hand."""
     union: list[str] = []
     for view in views:
-        table = _table(view)
+        table = table_of(view)
         union += [s for s in sorted(table, key=lambda s: -table[s])[:k] if s not in union]
     tables = []
     for view in views:
-        table = _table(view)
+        table = table_of(view)
         own = {s: table[s if s in table else max((t for t in table if s.startswith(t)), key=len)] for s in union}
         tables.append({s: p / sum(own.values()) for s, p in own.items()})
     return tables
@@ -98,20 +98,20 @@ def test_random_geometric_sharpening_matches_reference() -> None:
     regimes = {True: 0, False: 0}
     decided_but_geometric_differs = 0
     for _ in range(200):
-        views = _random_members(rng, None)
+        views = random_members(rng, None)
         if rng.random() < 0.6:
             # a heavy member leans towards one string and a little towards a second, the others
             # towards the second: often a mixture the heavy member decides for a string the
             # others barely give, while the geometric mean prefers the shared second string
             own, shared = rng.sample("abc", 2)
             heavy, *rest = views
-            leaned = _leaning(_leaning(_table(heavy), own, rng.uniform(1.0, 4.0)), shared, rng.uniform(0.0, 1.5))
+            leaned = _leaning(_leaning(table_of(heavy), own, rng.uniform(1.0, 4.0)), shared, rng.uniform(0.0, 1.5))
             views = [member(leaned, rng.uniform(1.5, 4.0) * sum(v.weight for v in rest))] + [
-                member(_leaning(_table(v), shared, rng.uniform(0.5, 3.0)), v.weight) for v in rest
+                member(_leaning(table_of(v), shared, rng.uniform(0.5, 3.0)), v.weight) for v in rest
             ]
         weights = [v.weight for v in views]
         for method in ("gac", "unite"):
-            tables = [_table(v) for v in views] if method == "gac" else _unite_tables(views, 3)
+            tables = [table_of(v) for v in views] if method == "gac" else _unite_tables(views, 3)
             key, probability, sharpened = _reference_geometric(tables, weights)
             assert_choice(run(method, views, "geometric", k=3), key, probability, sharpened)
             regimes[sharpened] += 1

@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import REPO
 
 from lm_eval_safe.bench.conformance import SETTINGS, conformance_prompts, prompt_digest, run_project
 
 pytestmark = pytest.mark.real
 
-RECORD = Path(__file__).parent / "data" / "authors_conformance.json"
-#: rows decoded together (each row's text is its text alone: tests/test_real_models.py); every
+RECORD = REPO / "tests" / "data" / "authors_conformance.json"
+#: rows decoded together (each row's text is its text alone: tests/harness/test_pretrained_members.py); every
 #: prompt in one batch halves the suite's time against batches of 4 on 2 cores
 BATCH = 20
 

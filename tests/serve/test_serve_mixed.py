@@ -18,8 +18,7 @@ from typing import Any
 
 import pytest
 from helpers import random_prompts
-from serve_helpers import ServerProcess, get, metric, post
-from test_serve import stream_pieces
+from serve_helpers import ServerProcess, get, metric, post, stream_pieces
 
 pytest.importorskip("fastapi")
 
