@@ -316,17 +316,16 @@ def test_rollback_prefix_copy_and_windows_equal_a_fresh_recompute(member: Any) -
 
 @pytest.mark.real
 @pytest.mark.llama_cpp
-@pytest.mark.xfail(
-    reason="of the four prompts, safe and aligned agree on three; on the first they part where "
-    "SmolLM2 drafted '\\n' '\\n' and Gemma-3 reads '\\n\\n' as one token, its argmax: rule (a) "
-    "skips, aligned writes '\\n\\n' as one drafter token, and the drafter goes on from other ids "
-    "(docs/algorithm.md: the theorem takes the next tokens to be one string)",
-    raises=AssertionError,  # the texts differ; an error of any other kind fails the test
-    strict=True,
-)
-def test_theorem_1_on_llama_cpp(llama_cpp_installed: None, models: Path) -> None:
-    """SAFE with the plain average (unite, no sharpening) equals ensembling at every aligned
-    position, on the default members on llama.cpp (``engine=llama_cpp`` through the registry)."""
+def test_safe_writes_the_aligned_texts_up_to_a_pair_a_verifier_reads_as_one_token(
+    llama_cpp_installed: None, models: Path
+) -> None:
+    """Theorem 1 on the default members on llama.cpp (``engine=llama_cpp`` through the registry):
+    SAFE with the plain average (unite, no sharpening) writes what ensembling at every aligned
+    position writes. The theorem takes the next tokens to be one string (docs/algorithm.md); where
+    SmolLM2 drafts '\\n' '\\n' and Gemma-3 reads '\\n\\n' as one token, its argmax, rule (a)
+    skips while ``aligned`` writes '\\n\\n' as one drafter token: the same text in a token
+    fewer, so within one token budget ``aligned`` writes on past SAFE. Every SAFE text is then a
+    prefix of the aligned one, equal where no such pair was drafted (three prompts of four)."""
     from helpers import gen_request
 
     from lm_eval_safe.harness.model import SafeEnsembleLM
@@ -344,6 +343,10 @@ def test_theorem_1_on_llama_cpp(llama_cpp_installed: None, models: Path) -> None
     safe = SafeEnsembleLM(schedule="safe", **opts)
     aligned = SafeEnsembleLM(schedule="aligned", **opts)
     requests = [gen_request(p, until=[], max_gen_toks=24) for p in PROMPTS]
-    assert safe.generate_until(requests, disable_tqdm=True) == aligned.generate_until(requests, disable_tqdm=True)
+    safe_texts = safe.generate_until(requests, disable_tqdm=True)
+    aligned_texts = aligned.generate_until(requests, disable_tqdm=True)
+    assert all(a.startswith(s) for s, a in zip(safe_texts, aligned_texts, strict=True))
+    parted = [i for i, (s, a) in enumerate(zip(safe_texts, aligned_texts, strict=True)) if s != a]
+    assert parted == [0] and "\n\n" in safe_texts[0], (safe_texts, aligned_texts)
     assert safe.run_stats.ensemble_ops > 0, "the test needs positions where the members disagree"
     assert aligned.run_stats.ensemble_ops > safe.run_stats.ensemble_ops
