@@ -43,6 +43,7 @@ def models(argv: list[str]) -> None:
     import json
 
     from lm_eval_safe.members.stores import list_models, store_folders
+    from lm_eval_safe.members.stores.files import folder_state
 
     parser = argparse.ArgumentParser(
         prog="lm-eval-safe models",
@@ -64,7 +65,7 @@ def models(argv: list[str]) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for row in rows:
         print("  ".join([*(cell.ljust(w) for cell, w in zip(row[:4], widths, strict=True)), row[4]]).rstrip())
-    folders = store_folders()
+    folders = {store: folder_state(path) for store, path in store_folders().items()}
     print(
         f"\nlooked in: Ollama {folders['ollama']}, Hugging Face cache {folders['hub']}, "
         f"LM Studio {folders['lmstudio']}\n"
