@@ -13,6 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from lm_eval_safe.errors import reporting_user_errors
+
 
 def report(argv: list[str]) -> None:
     """``lm-eval-safe report RESULTS_DIR... --output report.html``."""
@@ -79,6 +81,7 @@ def _size(size: int | None) -> str:
     return f"{size / 1e9:.1f} GB" if size >= 1e9 else f"{size / 1e6:.0f} MB"
 
 
+@reporting_user_errors("lm-eval-safe")
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["report"]:

@@ -20,6 +20,8 @@ from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any
 
+from lm_eval_safe.errors import reporting_user_errors
+
 logger = logging.getLogger("lm_eval_safe.serve")
 
 API_KEY_ENV = "LM_EVAL_SAFE_API_KEY"
@@ -60,7 +62,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+@reporting_user_errors("lm-eval-safe serve")
 def main(argv: list[str] | None = None) -> None:
+    """A bad option, member or library version ends the start-up in one line (the traceback:
+    ``LM_EVAL_SAFE_TRACEBACK=1`` or ``--log-level debug``)."""
     args = parser().parse_args(argv)
     missing = [pip for module, pip in SERVER_PACKAGES.items() if importlib.util.find_spec(module) is None]
     if missing:
@@ -74,12 +79,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    from lm_eval_safe.errors import OptionError
-
-    try:
-        app = build(args.model_args, args.served_model_name, api_key, args.max_request_bytes, args.log_prompts)
-    except OptionError as exc:
-        sys.exit(f"lm-eval-safe serve: {exc}")
+    app = build(args.model_args, args.served_model_name, api_key, args.max_request_bytes, args.log_prompts)
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without an API key: anyone who reaches it can use it (--api-key)", args.host)
     config = uvicorn.Config(
