@@ -14,6 +14,9 @@ execute. Nothing of lm-eval, torch or transformers is imported until lm-eval its
 - ``lm_eval.loggers.evaluation_tracker``: give ensemble runs a stable output folder name
   instead of a random id (lm-eval only knows ``pretrained=``-style keys); tell
   :mod:`lm_eval_safe.decoder.tracing` where samples go and when a task's samples file is written.
+- ``lm_eval.__main__`` (the ``lm_eval`` command, console script or ``python -m``): this
+  package's user errors print as their one line (:func:`lm_eval_safe.errors.install_excepthook`);
+  Python callers of ``simple_evaluate`` never load it and get the exception as it is.
 - ``lm_eval.evaluator`` (lm-eval 0.4.9 only): keep the backend's configuration and
   ``safe_stats`` in the results, as 0.4.10+ does by itself.
 
@@ -35,6 +38,8 @@ from typing import Any
 from lm_eval_safe import MODEL_NAME
 
 PLACEHOLDER = "lm_eval_safe.harness.model:SafeEnsembleLM"
+#: lm-eval's command: where it is found, this package's user errors become one line on stderr
+CLI_MODULE = "lm_eval.__main__"
 
 
 def register_model() -> None:
@@ -159,6 +164,10 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
     """Finds nothing itself; wraps the real loader of a watched module to run a hook after it."""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname == CLI_MODULE:  # the lm_eval command (python -m runs it without exec_module)
+            from lm_eval_safe.errors import install_excepthook
+
+            install_excepthook("lm_eval")
         hook = HOOKS.get(fullname)
         if hook is None:
             return None

@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from lm_eval_safe.errors import reporting_user_errors
+
 #: the subcommands and their one line of help; anything else first runs lm_eval
 SUBCOMMANDS = {
     "leaderboard": "members alone vs. SAFE and baseline ensembles on lm-eval tasks (--preset paper)",
@@ -78,6 +80,7 @@ def run_models(args: argparse.Namespace) -> int:
     import json
 
     from lm_eval_safe.members.stores import list_models, store_folders
+    from lm_eval_safe.members.stores.files import folder_state
 
     listed = list_models()
     if args.json:
@@ -91,7 +94,7 @@ def run_models(args: argparse.Namespace) -> int:
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for row in rows:
         print("  ".join([*(cell.ljust(w) for cell, w in zip(row[:4], widths, strict=True)), row[4]]).rstrip())
-    folders = store_folders()
+    folders = {store: folder_state(path) for store, path in store_folders().items()}
     print(
         f"\nlooked in: Ollama {folders['ollama']}, Hugging Face cache {folders['hub']}, "
         f"LM Studio {folders['lmstudio']}\n"
@@ -200,6 +203,7 @@ def run_lm_eval(args: list[str]) -> None:
     cli_evaluate()
 
 
+@reporting_user_errors("lm-eval-safe")
 def main(argv: list[str] | None = None) -> int | None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or (args[0] not in SUBCOMMANDS and args[0] not in ("-h", "--help")):

@@ -166,7 +166,26 @@ def member_display_name(spec: str) -> str:
     return name
 
 
+def check_distinct_names(members: list[str]) -> None:
+    """Refuse two different members that one display name would stand for (in any case, as a
+    case-blind file system sees run folders): results, traces, run folders and ``drafter=``
+    name members by it, and the first would silently win. The same spec listed twice is one
+    model twice (an ensemble of a model with itself), which ``drafter=`` tells apart by index."""
+    seen: dict[str, str] = {}
+    for spec in members:
+        name = member_display_name(spec)
+        first = seen.setdefault(name.casefold(), spec)
+        if first.strip() != spec.strip():
+            raise OptionError(
+                f"members {first!r} and {spec!r} would both be called {name!r} (in results, traces, "
+                "run folders and drafter=): list each model once, or give one as a file or folder "
+                "of another name"
+            )
+
+
 def resolve_drafter_index(drafter: str | int | None, members: list[str]) -> int:
+    """The drafter's index among ``members``: ``drafter=`` as an index, a spec or a display
+    name that names exactly one member."""
     if drafter is None:
         return 0
     text = str(drafter).strip()
@@ -177,9 +196,12 @@ def resolve_drafter_index(drafter: str | int | None, members: list[str]) -> int:
                 f"drafter={drafter} is out of range; there are {len(members)} members"
             )
         return index
-    for index, spec in enumerate(members):
-        if text in (spec, member_display_name(spec)):
-            return index
+    found = [index for index, spec in enumerate(members) if text in (spec, member_display_name(spec))]
+    if len(found) == 1:
+        return found[0]
+    if found:
+        indices = ", ".join(map(str, found))
+        raise OptionError(f"drafter={drafter!r} names members {indices}; give the index of the one to draft, e.g. drafter={found[0]}")
     names = ", ".join(member_display_name(m) for m in members)
     raise OptionError(f"drafter={drafter!r} names no member; choose one of: {names} (or an index)")
 

@@ -14,7 +14,14 @@ from typing import Any
 from lm_eval_safe.engines import engine, engines
 from lm_eval_safe.engines.registry import DEFAULT_ENGINE, engine_names
 from lm_eval_safe.errors import OptionError
-from lm_eval_safe.model_args import as_bool, as_number, choice, resolve_drafter_index, split_list
+from lm_eval_safe.model_args import (
+    as_bool,
+    as_number,
+    check_distinct_names,
+    choice,
+    resolve_drafter_index,
+    split_list,
+)
 
 SCHEDULES = ("safe", "every", "aligned", "threshold", "drafter")
 AGGREGATORS = ("gac", "unite")
@@ -295,6 +302,7 @@ def _validate(opts: SafeOptions) -> None:
         raise OptionError(
             f"member_devices has {len(opts.member_devices)} entries for {n} members; give one per member"
         )
+    check_distinct_names(opts.members)
     if opts.drafter is not None:
         resolve_drafter_index(opts.drafter, opts.members)
     if opts.trace_dir is not None and not opts.trace:

@@ -23,6 +23,8 @@ from importlib import metadata
 
 from packaging.version import Version
 
+from lm_eval_safe.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 ALLOW_UNTESTED = "LM_EVAL_SAFE_ALLOW_UNTESTED_VERSIONS"
@@ -36,7 +38,7 @@ TESTED: dict[str, tuple[tuple[str, str], ...]] = {
 LM_EVAL_FOR_TRANSFORMERS_5 = "0.4.10"
 
 
-class VersionError(RuntimeError):
+class VersionError(UserError, RuntimeError):
     """An installed library version outside the tested matrix (one line with the fix)."""
 
 

@@ -167,6 +167,35 @@ def test_drafter_by_name_and_index() -> None:
     assert resolve_drafter_index("m", ["/p/m.gguf", "q"]) == 0
 
 
+@pytest.mark.parametrize(
+    ("members", "first", "second", "name"),
+    [
+        ("smollm2-135m,ollama:smollm2:135m", "smollm2-135m", "ollama:smollm2:135m", "smollm2-135m"),
+        ("a/model,b/model", "a/model", "b/model", "model"),
+        ("/p/Tiny.gguf,lmstudio:pub/Repo/tiny.gguf", "/p/Tiny.gguf", "lmstudio:pub/Repo/tiny.gguf", "tiny"),
+        ("hf:org/Repo:Q8_0,lmstudio:pub/x/Repo-Q8_0", "hf:org/Repo:Q8_0", "lmstudio:pub/x/Repo-Q8_0", "Repo-Q8_0"),
+    ],
+)
+def test_one_display_name_one_member(members: str, first: str, second: str, name: str) -> None:
+    """Results, traces, run folders and drafter= name members by their display name: two
+    different members under one name (in any case) are refused before anything loads."""
+    with pytest.raises(OptionError) as raised:
+        parse_options({"members": members, "drafter": name})
+    assert str(raised.value) == (
+        f"members {first!r} and {second!r} would both be called {name!r} (in results, traces, run "
+        "folders and drafter=): list each model once, or give one as a file or folder of another name"
+    )
+
+
+def test_one_member_twice_takes_the_drafter_by_index() -> None:
+    """The same spec twice is one model twice (an ensemble of a model with itself): allowed, but
+    drafter= by its name would be ambiguous."""
+    assert parse_options({"members": "x/m,x/m"}).members == ["x/m", "x/m"]
+    assert parse_options({"members": "x/m,x/m", "drafter": "1"}).drafter == "1"
+    with pytest.raises(OptionError, match=r"^drafter='m' names members 0, 1; give the index of the one to draft, e\.g\. drafter=0$"):
+        parse_options({"members": "x/m,x/m", "drafter": "m"})
+
+
 def test_unknown_member_and_missing_file() -> None:
     from lm_eval_safe.members.sources import resolve_source
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from lm_eval_safe.errors import UserError
 
-class ScoringError(ValueError):
+
+class ScoringError(UserError, ValueError):
     """A request that cannot be scored; ``index`` says which, so the caller can name it."""
 
     def __init__(self, index: int, message: str):

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_safe.engines.registry import DEFAULT_ENGINE
+from lm_eval_safe.errors import UserError
 from lm_eval_safe.leaderboard.configs import ALONE_PREFIX, ENSEMBLE_CONFIGS
 from lm_eval_safe.leaderboard.result_cache import Outcome, pick_metric, sample_count
 from lm_eval_safe.model_args import member_display_name, parse_model_args
@@ -28,7 +29,7 @@ HF_MODELS = ("hf", "hf-auto", "huggingface", "HFLM")
 _RESULTS = re.compile(r"^results_(?P<date>.+)\.json$")
 
 
-class RunsError(ValueError):
+class RunsError(UserError, ValueError):
     """A folder that cannot be reported truthfully; the message says which and why."""
 
 

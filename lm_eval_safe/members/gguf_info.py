@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from lm_eval_safe.errors import UserError
+
 GGUF_MAGIC = b"GGUF"
 #: GGUF value types: struct formats of the fixed-size ones (8 is a string, 9 an array)
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -33,7 +35,7 @@ _TAG = re.compile(r"[-.]([A-Za-z0-9_]+)$")
 _NOT_MODELS = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")
 
 
-class GGUFFormatError(ValueError):
+class GGUFFormatError(UserError, ValueError):
     """The bytes are not a GGUF header this reader understands (the message says where)."""
 
 

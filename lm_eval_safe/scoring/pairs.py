@@ -13,6 +13,7 @@ from typing import Any
 
 from lm_eval_safe.engines import engines_active
 from lm_eval_safe.engines.scoring import ScoringError
+from lm_eval_safe.errors import RequestError
 from lm_eval_safe.members.member import Member
 
 
@@ -26,7 +27,7 @@ def encode_pair(
     if context == "":
         cont = member.encode(continuation, add_special_tokens=False)
         if not cont:
-            raise ValueError("empty continuation with an empty context: nothing to score")
+            raise RequestError("empty continuation with an empty context: nothing to score")
         if member.prefix_token_id != cont[0]:
             return [member.prefix_token_id], cont, continuation
         return cont[:1], cont[1:], continuation
@@ -64,5 +65,5 @@ def score_members(
                 )
             except ScoringError as exc:
                 label = labels[exc.index] if exc.index < len(labels) else exc.index
-                raise ValueError(f"{kind} request {label!r}: {exc}") from None
+                raise RequestError(f"{kind} request {label!r}: {exc}") from None
     return results

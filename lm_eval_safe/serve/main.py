@@ -20,6 +20,8 @@ from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any
 
+from lm_eval_safe.errors import reporting_user_errors
+
 logger = logging.getLogger("lm_eval_safe.serve")
 
 API_KEY_ENV = "LM_EVAL_SAFE_API_KEY"
@@ -71,8 +73,11 @@ def main(argv: list[str] | None = None) -> None:
     run(parser().parse_args(argv))
 
 
+@reporting_user_errors("lm-eval-safe serve")
 def run(args: argparse.Namespace) -> None:
-    """Start the server the parsed options describe; return once it has stopped."""
+    """Start the server the parsed options describe; return once it has stopped. A bad option,
+    member or library version ends the start-up in one line (the traceback:
+    ``LM_EVAL_SAFE_TRACEBACK=1`` or ``--log-level debug``)."""
     missing = [pip for module, pip in SERVER_PACKAGES.items() if importlib.util.find_spec(module) is None]
     if missing:
         sys.exit(

@@ -74,10 +74,17 @@ def test_ollama_names_resolve_to_their_blob(home: Path, own_cache: Path, small: 
 def test_ollama_models_folder_is_the_one_ollama_uses(home: Path, own_cache: Path, small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     elsewhere = tmp_path / "elsewhere"
     ollama_store(elsewhere, "tiny", small)
+    default = home / ".ollama" / "models"
+    with pytest.raises(OptionError, match=rf"Ollama's models folder {default} does not exist: install Ollama and run `ollama pull tiny`, or set OLLAMA_MODELS"):
+        resolve_source("ollama:tiny")
+    default.mkdir(parents=True)
     with pytest.raises(OptionError, match=r"has no tiny:latest \(it has: nothing\) \(set OLLAMA_MODELS"):
         resolve_source("ollama:tiny")
     monkeypatch.setenv("OLLAMA_MODELS", str(elsewhere))
     assert resolve_source("ollama:tiny").sha256 == (sha256(small),)
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "nonexistent"))
+    with pytest.raises(OptionError, match=r"OLLAMA_MODELS names .*nonexistent, which does not exist: set it to the folder"):
+        resolve_source("ollama:tiny")
 
 
 def _one_line(exc: pytest.ExceptionInfo[OptionError]) -> str:

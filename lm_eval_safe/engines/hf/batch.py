@@ -202,7 +202,7 @@ class MemberBatch(CacheRows, DraftingBatch):
         member = self.member
         model = member.engine.model
         if not model_calls.output_head_reproduces_logits(model, member.prefix_token_id, member.engine.input_device):
-            raise NotImplementedError(
+            raise kv_cache.UnsupportedModelError(
                 f"batch_size>1 cannot reproduce {type(model).__name__}'s output layer; use batch_size=1"
             )
         return model_calls.output_logits(model, hidden)

@@ -40,11 +40,13 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from lm_eval_safe.errors import UserError
+
 #: One layer's states ``(keys, values)``, or None for a layer that holds nothing (a layer
 #: that shares another's states never fills its own).
 LayerStates = tuple[torch.Tensor, torch.Tensor] | None
 
-class UnsupportedModelError(NotImplementedError):
+class UnsupportedModelError(UserError, NotImplementedError):
     """A model or cache this module cannot drive faithfully; the message says what to do."""
 
 

@@ -93,6 +93,37 @@ def pick_gguf(
     )
 
 
+def plain_parts(spec: str, ref: str, form: str) -> list[str]:
+    """``ref``'s ``/``-separated parts, refused in one line where one could lead out of the
+    store's folder or name nothing: an absolute path (a leading ``/``), an empty part, ``.`` or
+    ``..``, a backslash (Windows' separator), a NUL. One trailing ``/`` is forgiven."""
+    parts = ref.removesuffix("/").split("/")
+    bad = next((p for p in parts if p in ("", ".", "..") or "\\" in p or "\0" in p), None)
+    if bad is not None:
+        what = "an empty part (a leading or doubled /)" if bad == "" else f"the part {bad!r}"
+        raise OptionError(f"member {spec!r} has {what}, which a store's name cannot have: write {form}")
+    return parts
+
+
+def inside_store(spec: str, root: Path, path: Path) -> Path:
+    """``path``, refused unless its name keeps it inside the store's folder ``root``.
+
+    Checked on the names with every ``..`` folded away, not on where links lead: the links a
+    store makes itself (an LM Studio file linking into the hub cache, a hub snapshot's files
+    linking to its blobs) point elsewhere by design, and keep working."""
+    base = os.path.normpath(os.path.abspath(root))
+    found = os.path.normpath(os.path.abspath(path))
+    if os.path.commonpath([base, found]) != base:
+        raise OptionError(f"member {spec!r} leads out of its store's folder {root}: name a model inside it")
+    return path
+
+
+def folder_state(folder: Path) -> str:
+    """``folder`` as ``lm-eval-safe models`` says where it looked: with ``(missing)`` when it is
+    not there, so an unset or mistyped variable shows."""
+    return str(folder) if folder.is_dir() else f"{folder} (missing)"
+
+
 def missing_parts(path: Path) -> list[Path]:
     """The parts of a split model that are not beside its first."""
     return [p for p in split_parts(path) if not p.is_file()]

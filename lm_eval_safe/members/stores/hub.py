@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from lm_eval_safe.errors import OptionError
 from lm_eval_safe.members.gguf_info import is_model_file, quant_tag, split_index, split_parts
 from lm_eval_safe.members.stores.files import (
     DEFAULT_QUANT,
+    inside_store,
     missing_parts,
     pick_gguf,
     relative_files,
@@ -23,6 +25,11 @@ from lm_eval_safe.members.stores.files import (
 logger = logging.getLogger(__name__)
 
 FORM = "hf:ORG/REPO[:QUANT], e.g. hf:bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M"
+#: an organisation or repository name as the hub allows it (huggingface_hub's
+#: ``validate_repo_id``: letters, digits, ``_``, ``-``, ``.``, and neither ``--`` nor ``..``)
+_NAME = re.compile(r"(?!.*(--|\.\.))[A-Za-z0-9_.-]{1,96}")
+#: a quantization as llama.cpp's ``-hf`` takes it (``Q4_K_M``, ``UD-Q4_K_XL``, ``BF16``)
+_QUANT = re.compile(r"(?!.*\.\.)[A-Za-z0-9_.-]+")
 
 
 def hub_offline() -> bool:
@@ -57,15 +64,21 @@ def hf_snapshot(repo_folder: Path) -> Path | None:
 def hf_file(spec: str, ref: str) -> Path:
     """The GGUF file of ``ORG/REPO[:QUANT]`` in the hub cache, downloaded with huggingface_hub
     (every part of a split model) where the cache lacks it and the hub may be used."""
-    repo, _, quant = ref.partition(":")
-    if repo.count("/") != 1 or not all(repo.split("/")):
+    repo, colon, quant = ref.partition(":")
+    named = repo.split("/")
+    if len(named) != 2 or not all(_NAME.fullmatch(p) and p[0] not in ".-" for p in named):
         raise OptionError(f"member {spec!r} is not a hub GGUF repository: write {FORM}")
+    if colon and not _QUANT.fullmatch(quant):
+        raise OptionError(f"member {spec!r}: {quant!r} is not a quantization (e.g. Q4_K_M): write {FORM}")
     cache = hf_cache_dir()
     snapshot = hf_snapshot(cache / f"models--{repo.replace('/', '--')}")
     problem = f"the Hugging Face cache {cache} has no snapshot of {repo}"
+    if not cache.is_dir():
+        problem = f"the Hugging Face cache {cache} does not exist"
     if snapshot is not None:
         try:
-            chosen = snapshot / pick_gguf(spec, relative_files(snapshot), quant or None, f"the cached {repo}", _named(repo))
+            picked = pick_gguf(spec, relative_files(snapshot), quant or None, f"the cached {repo}", _named(repo))
+            chosen = inside_store(spec, cache, snapshot / picked)
             missing = missing_parts(chosen)
             if not missing:
                 return chosen

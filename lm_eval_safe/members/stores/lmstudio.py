@@ -9,7 +9,13 @@ from pathlib import Path
 
 from lm_eval_safe.errors import OptionError
 from lm_eval_safe.members.gguf_info import is_model_file, split_index
-from lm_eval_safe.members.stores.files import missing_parts, pick_gguf, relative_files
+from lm_eval_safe.members.stores.files import (
+    inside_store,
+    missing_parts,
+    pick_gguf,
+    plain_parts,
+    relative_files,
+)
 
 FORM = "lmstudio:PUBLISHER/REPO[/FILE], e.g. lmstudio:lmstudio-community/Qwen2.5-1.5B-Instruct-GGUF"
 
@@ -42,11 +48,16 @@ def lmstudio_dir() -> Path:
 def lmstudio_file(spec: str, ref: str) -> Path:
     """``PUBLISHER/REPO[/FILE]`` in LM Studio's folder; without FILE, the Q4_K_M file, else
     the only GGUF."""
-    parts = [p for p in ref.split("/") if p]
+    parts = plain_parts(spec, ref, FORM)
     if len(parts) < 2:
         raise OptionError(f"member {spec!r} is not an LM Studio name: write {FORM}")
     root = lmstudio_dir()
-    folder = root / parts[0] / parts[1]
+    if not root.is_dir():
+        raise OptionError(
+            f"member {spec!r}: LM Studio's models folder {root} does not exist: download the model "
+            "in LM Studio first (or set its folder in LM Studio's My Models tab)"
+        )
+    folder = inside_store(spec, root, root / parts[0] / parts[1])
     if not folder.is_dir():
         have = ", ".join(sorted({f"{p.parent.parent.name}/{p.parent.name}" for p in root.glob("*/*/*.gguf")})) or "nothing"
         raise OptionError(
@@ -55,7 +66,7 @@ def lmstudio_file(spec: str, ref: str) -> Path:
         )
     if len(parts) > 2:
         name = "/".join(parts[2:])
-        chosen = folder / (name if name.lower().endswith(".gguf") else f"{name}.gguf")
+        chosen = inside_store(spec, root, folder / (name if name.lower().endswith(".gguf") else f"{name}.gguf"))
         if not chosen.is_file():
             have = ", ".join(f for f in relative_files(folder) if is_model_file(f)) or "no GGUF"
             raise OptionError(f"member {spec!r}: {folder} has no {chosen.name} (it has: {have})")

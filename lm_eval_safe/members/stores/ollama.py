@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from lm_eval_safe.errors import OptionError
+from lm_eval_safe.members.stores.files import inside_store
 
 FORM = "ollama:NAME[:TAG], e.g. ollama:qwen2.5:1.5b"
 OLLAMA_REGISTRY = "registry.ollama.ai"
@@ -23,6 +26,10 @@ OLLAMA_REFUSED = {
     "application/vnd.ollama.image.adapter": "an adapter (LoRA) layer",
     "application/vnd.ollama.image.projector": "a projector (vision) layer",
 }
+#: a name part as Ollama's own parser takes it (letters, digits, ``_``, ``-``, ``.``; a host
+#: may carry ``:port``): no spaces, no part that is empty or leads out of the store's folder
+_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_HOST = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]*")
 
 
 def ollama_dir() -> Path:
@@ -38,11 +45,16 @@ def ollama_dir() -> Path:
 
 def ollama_parts(ref: str) -> tuple[str, str, str, str]:
     """``[HOST/][NAMESPACE/]MODEL[:TAG]`` as (host, namespace, model, tag), Ollama's defaults
-    filled in (``registry.ollama.ai``, ``library``, ``latest``)."""
+    filled in (``registry.ollama.ai``, ``library``, ``latest``); ValueError for a name outside
+    Ollama's grammar (its parts become folder names under ``manifests``)."""
     head, slash, last = ref.rpartition("/")
     model, colon, tag = last.partition(":")
-    path = [p for p in head.split("/") if p] if slash else []
-    if not model or len(path) > 2 or (colon and not tag):
+    path = head.split("/") if slash else []
+    if len(path) > 2 or (colon and not tag):
+        raise ValueError(ref)
+    named = [(_HOST if len(path) == 2 and i == 0 else _PART, p) for i, p in enumerate(path)]
+    named += [(_PART, model)] + ([(_PART, tag)] if colon else [])
+    if not all(rule.fullmatch(part) for rule, part in named):
         raise ValueError(ref)
     host = path[0] if len(path) == 2 else OLLAMA_REGISTRY
     namespace = path[-1] if path else "library"
@@ -69,8 +81,22 @@ def ollama_manifest(spec: str, ref: str) -> Path:
     try:
         parts = ollama_parts(ref)
     except ValueError:
-        raise OptionError(f"member {spec!r} is not an Ollama name: write {FORM}") from None
+        raise OptionError(
+            f"member {spec!r} is not an Ollama name (letters, digits, '_', '-' and '.' in each "
+            f"part, no spaces): write {FORM}"
+        ) from None
     root = ollama_dir()
+    pull = f"`ollama pull {shlex.quote(ollama_display(*parts).removesuffix(':latest'))}`"
+    if not root.is_dir() and os.environ.get("OLLAMA_MODELS"):
+        raise OptionError(
+            f"member {spec!r}: OLLAMA_MODELS names {root}, which does not exist: set it to the "
+            "folder Ollama keeps its models in (or unset it)"
+        )
+    if not root.is_dir():
+        raise OptionError(
+            f"member {spec!r}: Ollama's models folder {root} does not exist: install Ollama and "
+            f"run {pull}, or set OLLAMA_MODELS to the folder it keeps its models in"
+        )
     exact = root.joinpath("manifests", *parts)
     if exact.is_file():
         return exact
@@ -84,7 +110,7 @@ def ollama_manifest(spec: str, ref: str) -> Path:
     where = " (set OLLAMA_MODELS where Ollama keeps its models elsewhere)" if elsewhere else ""
     raise OptionError(
         f"member {spec!r}: Ollama's store {root} has no {ollama_display(*parts)} (it has: {have}){where}; "
-        f"run `ollama pull {ollama_display(*parts).removesuffix(':latest')}`"
+        f"run {pull}"
     )
 
 
@@ -121,12 +147,12 @@ def ollama_blob(spec: str, ref: str) -> tuple[Path, str]:
             f"{kinds or 'none'}); one is needed: a model Ollama keeps in another format cannot be a member"
         )
     algorithm, _, digest = str(weights[0].get("digest", "")).partition(":")
-    if algorithm != "sha256" or len(digest) != 64:
+    if algorithm != "sha256" or not re.fullmatch("[0-9a-fA-F]{64}", digest):
         raise OptionError(f"member {spec!r}: the Ollama manifest {manifest} names no sha256 blob; pull the model again")
-    blob = manifest.parents[4] / "blobs" / f"sha256-{digest}"
+    blob = inside_store(spec, ollama_dir(), manifest.parents[4] / "blobs" / f"sha256-{digest}")
     if not blob.is_file():
         raise OptionError(
             f"member {spec!r}: Ollama's manifest names the blob {blob.name}, which is missing; "
-            f"run `ollama pull {ref}` again"
+            f"run `ollama pull {shlex.quote(ref)}` again"
         )
     return blob, digest
