@@ -230,18 +230,18 @@ ROOT_MODULES = {
 #: Each room's floor: a room imports only rooms on lower floors. The one arrow up is the start-up
 #: hook's (the package's ``register()`` reaching ``_autoregister``).
 FLOORS = {
-    "lm_eval_safe": 0, "lm_eval_safe.errors": 0, "lm_eval_safe.versions": 0,
-    "lm_eval_safe.disk_cache": 0, "lm_eval_safe.answer_checking": 0,
-    "lm_eval_safe.lm_eval_compat": 1, "lm_eval_safe.model_args": 1,
-    "lm_eval_safe.members": 2,
-    "lm_eval_safe.engines": 3,
-    "lm_eval_safe.options": 4, "lm_eval_safe.cli_options": 4,
-    "lm_eval_safe.ensemble": 5,
-    "lm_eval_safe.decoder": 6, "lm_eval_safe.scoring": 6,
-    "lm_eval_safe.harness": 7, "lm_eval_safe.leaderboard": 7,
-    "lm_eval_safe.bench": 8,
-    "lm_eval_safe._autoregister": 8, "lm_eval_safe.serve": 8,
-    "lm_eval_safe.cli": 9,
+    "lm_eval_safe": 0, "lm_eval_safe.errors": 0, "lm_eval_safe.disk_cache": 0,
+    "lm_eval_safe.answer_checking": 0,
+    "lm_eval_safe.versions": 1, "lm_eval_safe.model_args": 1,
+    "lm_eval_safe.lm_eval_compat": 2,
+    "lm_eval_safe.members": 3,
+    "lm_eval_safe.engines": 4,
+    "lm_eval_safe.options": 5, "lm_eval_safe.cli_options": 5,
+    "lm_eval_safe.ensemble": 6,
+    "lm_eval_safe.decoder": 7, "lm_eval_safe.scoring": 7,
+    "lm_eval_safe.harness": 8, "lm_eval_safe.leaderboard": 8,
+    "lm_eval_safe.bench": 9, "lm_eval_safe._autoregister": 9, "lm_eval_safe.serve": 9,
+    "lm_eval_safe.cli": 10,
 }
 HOOK_ARROW = ("lm_eval_safe", "lm_eval_safe._autoregister")
 
