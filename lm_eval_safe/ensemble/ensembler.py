@@ -25,7 +25,10 @@ from lm_eval_safe.options import SafeOptions
 def complete_views(views: list[View]) -> Any:
     """Steps returning ``views`` with every engine head replaced by its full distribution (one
     :class:`~lm_eval_safe.engines.base.Complete` call per member that answered with a head).
-    Views are in member-slot order (the drafter first), as every schedule builds them."""
+    Views are in member-slot order (the drafter first), as every schedule builds them. The
+    schedules call it themselves where their consensus gate needs full rows: the gate is the
+    schedule's rule, the same for every aggregator, and the Ensembler then finds those points
+    full and asks the engines nothing more."""
     completed = list(views)
     for slot, view in enumerate(views):
         if not is_full(view.logprobs):
