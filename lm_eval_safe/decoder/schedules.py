@@ -21,6 +21,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from lm_eval_safe.decoder.authors_alignment import authors_agree, paired_positions, verifier_ids
 from lm_eval_safe.decoder.batch_driver import Steps
 from lm_eval_safe.decoder.draft_window import DraftWindow
 from lm_eval_safe.decoder.member_runs import VerifierRun
@@ -33,7 +34,6 @@ from lm_eval_safe.engines.base import (
     row_probability_bounds,
 )
 from lm_eval_safe.ensemble.aggregate import View
-from lm_eval_safe.ensemble.authors.alignment import authors_agree, paired_positions, verifier_ids
 from lm_eval_safe.ensemble.certified import Interval, certified_consensus
 from lm_eval_safe.ensemble.consensus import GAC_GATE, consensus
 from lm_eval_safe.ensemble.ensembler import complete_views
@@ -281,7 +281,7 @@ class Safe(Aligned):
 
 class AuthorsSafe(Schedule):
     """SAFE as the authors' code finds its ensemble points (``reference=authors``;
-    :mod:`lm_eval_safe.ensemble.authors.alignment`): verifier positions paired with drafted ones by
+    :mod:`lm_eval_safe.decoder.authors_alignment`): verifier positions paired with drafted ones by
     their stripped decoded prefixes, tested in the verifier's order; skipped when the verifier's
     argmax is its own token or the two probabilities of the own tokens sum to 1 or more; with
     GaC, also where the drafter is at least 0.5 sure. Two members, greedy only (the options and

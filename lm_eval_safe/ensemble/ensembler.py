@@ -2,45 +2,33 @@
 or speculative sampling's keep-or-replace (README "Sampling"), and the chosen string as the
 drafter's ids.
 
-The aggregators themselves (``gac``, ``unite``, sharpening) are in :mod:`lm_eval_safe.ensemble.aggregate`;
-this module applies them for one drafter, which is what decides which strings can be written.
+The aggregators themselves sit behind one interface (:mod:`lm_eval_safe.ensemble.aggregator`,
+picked once by :func:`~lm_eval_safe.ensemble.aggregators.make_aggregator`); this module asks them
+for one drafter, which is what decides which strings can be written, and owns the engine calls
+(:class:`~lm_eval_safe.engines.base.Complete`) a decision needs.
 """
 
 from __future__ import annotations
 
-from functools import cached_property
 from typing import Any, NamedTuple
 
-import torch
-
-from lm_eval_safe.disk_cache import cache_root
 from lm_eval_safe.engines.base import Complete, is_full
 from lm_eval_safe.engines.spec import head_width
-from lm_eval_safe.ensemble.aggregate import (
-    Choice,
-    UnionVocabulary,
-    View,
-    gac,
-    gac_distribution,
-    top_candidates,
-    unite,
-    unite_distribution,
-)
-from lm_eval_safe.ensemble.authors.aggregate import AuthorsGac, authors_aggregator
-from lm_eval_safe.ensemble.certified import as_head, certified_gac, certified_unite, short_heads
+from lm_eval_safe.ensemble.aggregate import Choice, View, top_candidates
+from lm_eval_safe.ensemble.aggregators import make_aggregator
 from lm_eval_safe.ensemble.sampling import RowSampler
+from lm_eval_safe.ensemble.writing import ENCODE, EOS, KEEP_DRAFTED, TOKEN, route
 from lm_eval_safe.members.member import Member
-from lm_eval_safe.members.vocabulary import EOS_KEY
 from lm_eval_safe.options import SafeOptions
-
-# How a string becomes drafter ids (see Ensembler._route).
-_EOS, _TOKEN, _ENCODE, _FALLBACK = "eos", "token", "encode", "fallback"
 
 
 def complete_views(views: list[View]) -> Any:
     """Steps returning ``views`` with every engine head replaced by its full distribution (one
     :class:`~lm_eval_safe.engines.base.Complete` call per member that answered with a head).
-    Views are in member-slot order (the drafter first), as every schedule builds them."""
+    Views are in member-slot order (the drafter first), as every schedule builds them. The
+    schedules call it themselves where their consensus gate needs full rows: the gate is the
+    schedule's rule, the same for every aggregator, and the Ensembler then finds those points
+    full and asks the engines nothing more."""
     completed = list(views)
     for slot, view in enumerate(views):
         if not is_full(view.logprobs):
@@ -79,39 +67,16 @@ class Ensembler:
         self.drafter = drafter
         self.verifiers = verifiers
         self.options = options
-        self._union: UnionVocabulary | None = None
-        # reference=authors: the authors' code decides (two members, full distributions)
-        self.authors = None
-        if options.reference == "authors" and verifiers:
-            o = options
-            self.authors = authors_aggregator(
-                drafter, verifiers[0], o.aggregator, o.sharpen, o.sharpen_lambda, o.top_k
-            )
-
-    @property
-    def union(self) -> UnionVocabulary:
-        """GaC's union vocabulary, built (or read from its disk cache) on first use."""
-        if self._union is None:
-            vocabs = [self.drafter.vocab] + [v.vocab for v in self.verifiers]
-            self._union = UnionVocabulary.build(vocabs, cache_root(self.options.cache_dir))
-        return self._union
+        self.aggregator = make_aggregator(drafter, verifiers, options)
 
     # -- greedy -----------------------------------------------------------------------------
     def choose(self, views: list[View]) -> Choice | None:
         """The aggregate's argmax string (sharpened when mass is smeared over variants). From
         engine heads (:mod:`lm_eval_safe.ensemble.certified`): the same string, or None where the heads
         do not settle it (the caller then completes the views)."""
-        o = self.options
-        if self.authors is not None:
-            return self.authors.choose(views) if all(is_full(v.logprobs) for v in views) else None
         if all(is_full(v.logprobs) for v in views):
-            if o.aggregator == "gac":
-                return gac(views, self.union, o.sharpen, o.sharpen_lambda, o.top_k)
-            return unite(views, o.sharpen, o.sharpen_lambda, o.top_k)
-        heads = [as_head(v, self.head_width) for v in views]
-        if o.aggregator == "gac":
-            return certified_gac(heads, self.union, o.sharpen, o.sharpen_lambda, o.top_k)
-        return certified_unite(heads, o.sharpen, o.sharpen_lambda, o.top_k)
+            return self.aggregator.choose(views)
+        return self.aggregator.choose_from_heads(views)
 
     def decide(
         self, views: list[View], drafted: int, sampler: RowSampler | None, traced: bool = False
@@ -124,7 +89,7 @@ class Ensembler:
         choice = None
         if sampler is None:
             choice = self.choose(views)
-            short = self.short_heads(views) if choice is None else []
+            short = self.aggregator.short_heads(views) if choice is None else []
             if short:  # the drafter's head of one id: its top ids, not its whole row
                 views = yield from widen_views(views, short, self.head_width)
                 choice = self.choose(views)
@@ -143,19 +108,10 @@ class Ensembler:
         assert choice is not None
         return Decision(choice, views, test, certified)
 
-    def short_heads(self, views: list[View]) -> list[int]:
-        """The views whose heads are too short for :meth:`choose` to name the candidates from
-        (UniTE's top-k strings, and GaC's heuristic sharpening's): a greedy decision widens them
-        (:func:`widen_views`) before it asks for the full distributions."""
-        o = self.options
-        if self.authors is not None or (o.aggregator == "gac" and o.sharpen != "heuristic"):
-            return []
-        return short_heads(views, o.top_k)
-
     @property
     def head_width(self) -> int:
-        """Ids a head holds (:func:`~lm_eval_safe.engines.spec.head_width`): an engine's, a widened
-        one, a full row's cut for a decision beside engine heads."""
+        """Ids a widened head holds (:func:`~lm_eval_safe.engines.spec.head_width`), as an
+        engine's own."""
         return head_width(self.options.top_logprobs, self.options.top_k)
 
     # -- sampled ----------------------------------------------------------------------------
@@ -166,41 +122,19 @@ class Ensembler:
 
         P_draft is the drafter's warped distribution summed per string; P_ens the aggregate of
         every member's warped distribution (the same code as the greedy argmax), restricted to
-        strings the drafter can write and renormalised. The drafted string is kept with
-        probability min(1, P_ens/P_draft), else replaced by a draw from the residual
+        strings the drafter can write and renormalised (the aggregator's
+        :meth:`~lm_eval_safe.ensemble.aggregator.Aggregator.target`). The drafted string is kept
+        with probability min(1, P_ens/P_draft), else replaced by a draw from the residual
         norm(max(0, P_ens - P_draft)): the string emitted is distributed as P_ens.
         """
-        o = self.options
         warped = [View(sampler.warp(v.logprobs), v.vocab, v.tokenizer, v.weight) for v in views]
-        drafter_probs = warped[0].logprobs.exp()
-        if o.aggregator == "gac":
-            target = gac_distribution(warped, self.union, o.sharpen, o.sharpen_lambda, o.top_k)
-            mapping = self.union.maps[0]
-            draft = torch.zeros(len(self.union), dtype=torch.float64)
-            draft.scatter_add_(0, mapping, drafter_probs)
-            drafted_index = int(mapping[drafted])
-            probs = target.probs * self._union_sayable
-        else:
-            # unite's strings, then one slot for every other string (P_ens is 0 there)
-            target = unite_distribution(warped, o.sharpen, o.sharpen_lambda, o.top_k)
-            ids_of = self.drafter.vocab.ids_of  # several ids may spell one string: P_draft sums them
-            draft = torch.tensor(
-                [float(drafter_probs[list(ids_of.get(key, ()))].sum()) for key in target.keys]
-                + [0.0],
-                dtype=torch.float64,
-            )
-            draft[-1] = max(0.0, 1.0 - float(draft.sum()))
-            key = self.drafter.vocab.keys[drafted]
-            drafted_index = target.keys.index(key) if key in target.keys else len(target.keys)
-            sayable = [self.can_write(k) for k in target.keys] + [False]
-            probs = torch.cat([target.probs, torch.zeros(1, dtype=torch.float64)])
-            probs = probs * torch.tensor(sayable, dtype=torch.float64)
-        total = float(probs.sum())
+        target = self.aggregator.target(warped, drafted)
+        total = float(target.probs.sum())
         if total <= 0.0:  # the members share no string the drafter can write: keep its draw
             return Choice(self.drafter.vocab.keys[drafted], 0.0, False)
-        probs = probs / total
-        index = sampler.keep_or_resample(probs, draft, drafted_index, test)
-        if index == drafted_index:
+        probs = target.probs / total
+        index = sampler.keep_or_resample(probs, target.draft, target.drafted, test)
+        if index == target.drafted:
             return Choice(self.drafter.vocab.keys[drafted], float(probs[index]), target.sharpened)
         return Choice(target.keys[index], float(probs[index]), target.sharpened)
 
@@ -208,66 +142,29 @@ class Ensembler:
     def candidates(self, views: list[View], sampler: RowSampler | None) -> tuple[list[Any], list[Any]]:
         """Each member's and the ensemble's most probable strings at a point (for traces): the
         distributions the choice was made from (warped when sampling)."""
-        o = self.options
         if sampler is not None:
             views = [View(sampler.warp(v.logprobs), v.vocab, v.tokenizer, v.weight) for v in views]
         members = [top_candidates(v.vocab.keys, v.logprobs.exp()) for v in views]
-        if self.authors is not None:
-            return members, self._authors_candidates(views)
-        if o.aggregator == "gac":
-            target = gac_distribution(views, self.union, o.sharpen, o.sharpen_lambda, o.top_k)
-        else:
-            target = unite_distribution(views, o.sharpen, o.sharpen_lambda, o.top_k)
-        return members, top_candidates(target.keys, target.probs)
-
-    def _authors_candidates(self, views: list[View]) -> list[Any]:
-        """The authors' scores at a point (their strings, sharpened where it decided), best first."""
-        if isinstance(self.authors, AuthorsGac):
-            scores, _ = self.authors.table(views)
-            return top_candidates([k.encode("utf-8") for k in self.authors.union.keys], scores)
-        order, scores, _, _ = self.authors.table(views)
-        return top_candidates([k.encode("utf-8") for k in order], scores)
-
-    @cached_property
-    def _union_sayable(self) -> torch.Tensor:
-        """1.0 for each union string the drafter can write, else 0.0."""
-        return torch.tensor([self.can_write(key) for key in self.union.keys], dtype=torch.float64)
+        return members, self.aggregator.candidates(views)
 
     # -- strings as drafter ids -------------------------------------------------------------
-    def _route(self, key: bytes) -> str:
-        """How :meth:`to_drafter_ids` writes ``key``: the drafter's EOS, its own token, the
-        encoding of the text, or not at all (another member's special token, bytes that are no
-        UTF-8 text the drafter has no token for, EOS when the drafter has none): the drafted
-        token stays."""
-        if key == EOS_KEY:
-            return _EOS if self.drafter.eos_id is not None else _FALLBACK
-        if key in self.drafter.vocab.lookup:
-            return _TOKEN
-        if key.startswith(b"\x00"):
-            return _FALLBACK
-        try:
-            key.decode("utf-8")
-        except UnicodeDecodeError:
-            return _FALLBACK
-        return _ENCODE
-
-    def can_write(self, key: bytes) -> bool:
-        """The drafter writes ``key`` with ids of its own rather than keeping its drafted token."""
-        return self._route(key) != _FALLBACK
-
     def to_drafter_ids(self, choice: Choice, drafted: int) -> list[int]:
-        """The chosen string as drafter ids (docs/algorithm.md, Aggregators): gac keeps all ids, unite the first."""
+        """The chosen string as drafter ids (docs/algorithm.md, Aggregators): the ids the rule
+        named where it did, else the drafter's EOS, its own token, or as much of the encoding
+        as the aggregator writes (:mod:`lm_eval_safe.ensemble.writing`); the drafted token
+        where the drafter cannot write the string or drafted it already."""
         if choice.drafter_ids is not None:
             return list(choice.drafter_ids)
         vocab = self.drafter.vocab
-        route = self._route(choice.key)
-        if route == _EOS:
+        way = route(self.drafter, choice.key)
+        if way == EOS:
             return [self.drafter.eos_id]  # type: ignore[list-item]
-        if route == _FALLBACK or vocab.keys[drafted] == choice.key:
+        if way == KEEP_DRAFTED or vocab.keys[drafted] == choice.key:
             return [drafted]
-        if route == _TOKEN:
+        if way == TOKEN:
             return [vocab.lookup[choice.key]]
+        assert way == ENCODE
         ids = vocab.encode_text(self.drafter.tokenizer, choice.key.decode("utf-8"))
         if not ids:
             return [drafted]
-        return ids if self.options.aggregator == "gac" else ids[:1]
+        return self.aggregator.written_ids(ids)

@@ -161,8 +161,8 @@ def run(args: argparse.Namespace) -> int:
         for name in configurations
     }
     for decoder in decoders.values():  # lazy set-up (union vocabulary, small-row timings) untimed
-        if decoder.options.aggregator == "gac" and decoder.schedule.needs_verifiers:
-            _ = decoder.ensembler.union
+        if decoder.schedule.needs_verifiers:
+            decoder.ensembler.aggregator.prepare()
         for batch_size in (1, 2):  # the batched path checks each model's output layer once
             decoder.generate_many([GenerationJob(p, ["Question:"], 4) for p in prompts[:2]], batch_size)
     runs = []

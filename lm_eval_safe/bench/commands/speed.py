@@ -194,11 +194,8 @@ def make_decoders(
         overrides = METHODS[method]
         if overrides is not None:
             decoders[method] = make_decoder(members, drafter_index, base, overrides)
-            if (
-                decoders[method].options.aggregator == "gac"
-                and overrides.get("schedule") != "drafter"
-            ):
-                _ = decoders[method].ensembler.union  # disk-cached; built outside the timed loop
+            if overrides.get("schedule") != "drafter":  # GaC's union (disk-cached) outside the timed loop
+                decoders[method].ensembler.aggregator.prepare()
     return decoders
 
 

@@ -30,10 +30,12 @@ from typing import Any
 
 import torch
 
-from lm_eval_safe.ensemble.aggregate import SHARPEN_THRESHOLD, Choice, View
+from lm_eval_safe.ensemble.aggregate import SHARPEN_THRESHOLD, Choice, View, top_candidates
+from lm_eval_safe.ensemble.aggregator import Aggregator
 from lm_eval_safe.ensemble.authors.union import AuthorsUnion, special_prefix
 from lm_eval_safe.errors import OptionError
 from lm_eval_safe.members.member import Member
+from lm_eval_safe.options import SafeOptions
 
 #: Strings the authors' code takes as "stop" besides each tokenizer's own EOS.
 UNITE_EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "<|im_end|>", "<|end|>", "</s>")
@@ -78,14 +80,21 @@ def _sharpened(order: list[str], mixture: torch.Tensor, drafter_top: list[str], 
     return out
 
 
-class AuthorsUnite:
-    """The authors' ``safe_generate_unite`` decision at an ensemble point."""
+class AuthorsUnite(Aggregator):
+    """The authors' ``safe_generate_unite`` decision at an ensemble point. Their code reads
+    full distributions and decodes greedily: it certifies nothing from engine heads (the
+    interface's default) and has no sampled rule (:meth:`Aggregator.target` refuses)."""
 
     def __init__(self, drafter: Member, verifier: Member, sharpen: str, lam: float, top_k: int):
         self.drafter, self.verifier = drafter, verifier
         self.sharpen, self.lam, self.top_k = sharpen, lam, top_k
         self.eos_names = {drafter.tokenizer.eos_token, verifier.tokenizer.eos_token, *UNITE_EOS_NAMES}
         self.blanks = [_blank_id(m.tokenizer) for m in (drafter, verifier)]
+
+    @classmethod
+    def from_options(cls, drafter: Member, verifiers: list[Member], options: SafeOptions) -> AuthorsUnite:
+        """For the drafter and the one verifier ``reference=authors`` allows."""
+        return cls(drafter, verifiers[0], options.sharpen, options.sharpen_lambda, options.top_k)
 
     def table(self, views: list[View]) -> tuple[list[str], torch.Tensor, list[list[int]], bool]:
         """The candidate strings in the drafter's order, their scores (the mixture, or its
@@ -113,9 +122,19 @@ class AuthorsUnite:
             drafter_id = self.drafter.eos_id
         return Choice(order[best].encode("utf-8"), float(scores[best]), sharpened, [drafter_id])
 
+    def candidates(self, views: list[View]) -> list[list[Any]]:
+        """Their scores at a point (their strings, sharpened where it decided), best first."""
+        order, scores, _, _ = self.table(views)
+        return top_candidates([k.encode("utf-8") for k in order], scores)
 
-class AuthorsGac:
-    """The authors' ``safe_generate_gac`` decision at an ensemble point, over their union."""
+    def written_ids(self, encoded: list[int]) -> list[int]:
+        """Never asked (:meth:`choose` names the drafter's id); one id, as their code writes."""
+        return encoded[:1]
+
+
+class AuthorsGac(Aggregator):
+    """The authors' ``safe_generate_gac`` decision at an ensemble point, over their union; like
+    :class:`AuthorsUnite`, full distributions only and greedy only."""
 
     def __init__(self, drafter: Member, verifier: Member, sharpen: str, lam: float, top_k: int):
         self.drafter = drafter
@@ -123,6 +142,15 @@ class AuthorsGac:
         self.union = AuthorsUnion.build([drafter, verifier])
         self.prefix = special_prefix(drafter.tokenizer)
         self.eos_names = {drafter.tokenizer.eos_token, verifier.tokenizer.eos_token, *GAC_EOS_NAMES}
+
+    @classmethod
+    def from_options(cls, drafter: Member, verifiers: list[Member], options: SafeOptions) -> AuthorsGac:
+        """For the drafter and the one verifier ``reference=authors`` allows. The union is built
+        now, so a tokenizer their code refuses fails before the first request."""
+        try:
+            return cls(drafter, verifiers[0], options.sharpen, options.sharpen_lambda, options.top_k)
+        except ValueError as exc:
+            raise OptionError(f"reference=authors with aggregator=gac: {exc}; use reference=paper") from exc
 
     def table(self, views: list[View]) -> tuple[torch.Tensor, bool]:
         """The union's scores (the members' mean, or its sharpening; their code sums the two
@@ -155,13 +183,11 @@ class AuthorsGac:
             ids = self.union.encode(0, key, self.prefix)
         return Choice(key.encode("utf-8"), float(scores[best]), sharpened, ids)
 
+    def candidates(self, views: list[View]) -> list[list[Any]]:
+        """Their scores over their union (sharpened where it decided), best first."""
+        scores, _ = self.table(views)
+        return top_candidates([k.encode("utf-8") for k in self.union.keys], scores)
 
-def authors_aggregator(drafter: Member, verifier: Member, aggregator: str, sharpen: str, lam: float, top_k: int) -> Any:
-    """The authors' decision for ``aggregator``; GaC's union is built now, so a tokenizer their
-    code refuses fails before the first request."""
-    if aggregator == "gac":
-        try:
-            return AuthorsGac(drafter, verifier, sharpen, lam, top_k)
-        except ValueError as exc:
-            raise OptionError(f"reference=authors with aggregator=gac: {exc}; use reference=paper") from exc
-    return AuthorsUnite(drafter, verifier, sharpen, lam, top_k)
+    def written_ids(self, encoded: list[int]) -> list[int]:
+        """Never asked (:meth:`choose` names the drafter's ids); the whole encoding, as theirs."""
+        return encoded

@@ -224,7 +224,7 @@ def test_short_drafter_heads_widen_and_decide_as_the_full_rows(
     certified from a widened head equals the exact aggregator's on the full rows, and the texts
     equal those of a decoder that never widens (every such point decided on full rows)."""
     from lm_eval_safe.engines.base import Complete
-    from lm_eval_safe.ensemble import ensembler as ensembling
+    from lm_eval_safe.ensemble import aggregators
     from lm_eval_safe.ensemble.aggregate import View, gac
 
     members = [load_member(str(d), index=i) for i, d in enumerate((tiny_bpe_dir, tiny_sp_dir))]
@@ -232,7 +232,7 @@ def test_short_drafter_heads_widen_and_decide_as_the_full_rows(
     jobs = [GenerationJob(p, [], 16) for p in ("the cat sat on", "a dog ran over the", "numbers like 7 and")]
     seen = []
     for aggregator, certify in (("unite", "certified_unite"), ("gac", "certified_gac")):
-        original = getattr(ensembling, certify)
+        original = getattr(aggregators, certify)
 
         def spy(views, *args, _original=original, _aggregator=aggregator):
             choice = _original(views, *args)
@@ -243,11 +243,12 @@ def test_short_drafter_heads_widen_and_decide_as_the_full_rows(
         options = {"members": names, "schedule": "every", "aggregator": aggregator}
         decoder = SafeDecoder(members, 0, parse_options(options))
         with monkeypatch.context() as patch:
-            patch.setattr(ensembling, certify, spy)
+            patch.setattr(aggregators, certify, spy)
             widened = decoder.generate_many(jobs, batch_size=2)
+        never_widens = SafeDecoder(members, 0, parse_options(options))
         with monkeypatch.context() as patch:
-            patch.setattr(ensembling.Ensembler, "short_heads", lambda self, views: [])
-            full = SafeDecoder(members, 0, parse_options(options)).generate_many(jobs, batch_size=2)
+            patch.setattr(never_widens.ensembler.aggregator, "short_heads", lambda views: [])
+            full = never_widens.generate_many(jobs, batch_size=2)
         assert [text for text, _ in widened] == [text for text, _ in full]
         ops = sum(s.ensemble_ops for _, s in widened)
         assert sum(s.full_decisions for _, s in full) == ops > 0

@@ -125,13 +125,13 @@ def test_certified_decisions_equal_full_vocabulary_decisions(pair, monkeypatch) 
     """Every decision the vLLM ensemble took from heads, taken again by the exact aggregator on
     the full distributions of the same positions (fetched from vLLM afterwards)."""
     from lm_eval_safe.engines.base import Complete
-    from lm_eval_safe.ensemble import ensembler as ensembling
+    from lm_eval_safe.ensemble import aggregators
     from lm_eval_safe.ensemble.aggregate import View, gac, unite
 
     _, lm = pair
     seen = []
     for aggregator, certify in (("gac", "certified_gac"), ("unite", "certified_unite")):
-        original = getattr(ensembling, certify)
+        original = getattr(aggregators, certify)
 
         def spy(views, *args, _original=original, _aggregator=aggregator):
             choice = _original(views, *args)
@@ -139,7 +139,7 @@ def test_certified_decisions_equal_full_vocabulary_decisions(pair, monkeypatch) 
                 seen.append((_aggregator, views, args, choice))
             return choice
 
-        monkeypatch.setattr(ensembling, certify, spy)
+        monkeypatch.setattr(aggregators, certify, spy)
         # every token an ensemble point: many decisions per request
         with_options(lm, aggregator=aggregator, schedule="every", batch_size=2)
         lm.generate_until([gen_request(p, until=[], max_gen_toks=16) for p in random_prompts(3, seed=21)], disable_tqdm=True)

@@ -18,9 +18,9 @@ import torch
 from helpers import gen_request, make_lm, random_prompts
 from transformers import AutoTokenizer
 
+from lm_eval_safe.decoder.authors_alignment import first_verified, paired_positions
 from lm_eval_safe.ensemble.aggregate import View
 from lm_eval_safe.ensemble.authors.aggregate import AuthorsUnite
-from lm_eval_safe.ensemble.authors.alignment import first_verified, paired_positions
 from lm_eval_safe.ensemble.authors.union import special_prefix
 from lm_eval_safe.errors import OptionError, RequestError
 
