@@ -12,7 +12,8 @@ llama-cpp-python's low-level API, the file loaded as it is (no de-quantized copy
 
 Modules: :mod:`.native` (the C API in one place), :mod:`.slots`, :mod:`.batch`, :mod:`.scoring`,
 :mod:`.engine`, :mod:`.loading`, :mod:`.options` (llama.cpp's option names and their checks),
-:mod:`.binding` (the tested llama-cpp-python releases and the fields the exactness rests on).
+:mod:`.binding` (the tested llama-cpp-python releases and the fields the exactness rests on),
+:mod:`.memory` (the KV cache's bytes from the GGUF header, refused before loading past memory).
 This module stays light: llama-cpp-python and torch are imported when a member loads.
 """
 
