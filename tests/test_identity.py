@@ -29,6 +29,7 @@ from lm_eval_safe.harness.use_cache import (
 from lm_eval_safe.members import aliases, checkpoints
 from lm_eval_safe.members.member import Member
 from lm_eval_safe.members.sources import MemberSource, content_identity, resolve_source
+from lm_eval_safe.members.stores import files
 from lm_eval_safe.options import parse_options
 
 ALIAS = "tiny-alias"
@@ -119,23 +120,23 @@ def test_an_alias_in_wheel_parts_is_hashed_once_as_it_is_assembled(
         part.write_bytes(data[start : start + len(data) // 3 + 1])
         parts.append(part)
     _alias(monkeypatch, gguf, parts)
-    hashed: list[list[Path]] = []
-    real_sha256_of = aliases.sha256_of
+    hashed: list[list[Path]] = []  # files read to be identified (not to be assembled)
+    real_sha256_of = files.sha256_of
 
-    def counted(files: list[Path], out: Any = None) -> str:
-        hashed.append(list(files))
-        return real_sha256_of(files, out)
+    def counted(paths: list[Path], out: Any = None) -> str:
+        hashed.append(list(paths))
+        return real_sha256_of(paths, out)
 
-    monkeypatch.setattr(aliases, "sha256_of", counted)
+    monkeypatch.setattr(files, "sha256_of", counted)
     cli.main(["models", "--json"])
     (listed,) = [e for e in json.loads(capsys.readouterr().out) if e["name"] == ALIAS]
     assembled = places["models"] / "tiny.q4_k_m.gguf"
     assert listed["path"] == str(assembled) and listed["size"] == len(data)
-    assert assembled.read_bytes() == data and hashed == [parts]
+    assert assembled.read_bytes() == data and hashed == []
     for _ in range(2):
         source = resolve_source(ALIAS)
         assert (source.location, source.sha256) == (str(assembled), (sha256(gguf),))
-    assert hashed == [parts]  # the assembly's digest was kept: nothing read again
+    assert hashed == []  # the assembly's digest was kept: nothing read again
     assert content_identity(source) == content_identity(resolve_source(str(assembled)))
 
 

@@ -169,9 +169,9 @@ def engine_label(cfg: dict[str, Any]) -> str:
     ``n_ctx`` and ``batch_rows``), and one engine's setting says nothing of another's. A report
     that names no engine ran on transformers (it was written before engines were recorded)."""
     from lm_eval_safe.engines import engine
-    from lm_eval_safe.engines.registry import engine_names
+    from lm_eval_safe.engines.registry import DEFAULT_ENGINE, engine_names
 
-    name = cfg.get("engine", "hf")
+    name = cfg.get("engine", DEFAULT_ENGINE)
     claimed = engine(name).options if name in engine_names() else {}
     settings = ", ".join(f"{key}={cfg[key]}" for key in claimed if key in cfg)
     return f"engine={name}" + (f" ({settings})" if settings else "")

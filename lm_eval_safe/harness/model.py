@@ -124,12 +124,9 @@ class SafeEnsembleLM(LM):
             self.total_stats = summed(self.process_group.all_gather_object(self.run_stats))
 
     # -- lm-eval's --use_cache (lm_eval_safe.harness.use_cache) --------------------------------------
-    def cache_identity(self) -> dict[str, Any]:
-        return cache_identity(self.options, self.members, self.drafter_index)
-
     @property
     def cache_namespace(self) -> str:
-        return cache_namespace(self.cache_identity())
+        return cache_namespace(cache_identity(self.options, self.members, self.drafter_index))
 
     def set_cache_hook(self, cache_hook: Any) -> None:
         """lm-eval wraps the model for ``--use_cache`` by handing it a hook on its cache store;

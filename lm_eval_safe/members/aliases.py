@@ -10,15 +10,14 @@ weights.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import BinaryIO
 
 from lm_eval_safe.disk_cache import atomic_file, cache_root
 from lm_eval_safe.errors import OptionError
+from lm_eval_safe.members.stores.files import file_sha256, remember_sha256, sha256_of
 
 
 @dataclass(frozen=True)
@@ -92,18 +91,6 @@ def _installed_part(distribution: str, pattern: str) -> Path | None:
     return matches[0] if matches and matches[0].is_file() else None
 
 
-def sha256_of(parts: list[Path], out: BinaryIO | None = None) -> str:
-    """The sha256 of the parts read in order (and written to ``out`` as they are read)."""
-    digest = hashlib.sha256()
-    for part in parts:
-        with part.open("rb") as handle:
-            while block := handle.read(1 << 22):
-                digest.update(block)
-                if out is not None:
-                    out.write(block)
-    return digest.hexdigest()
-
-
 def installed_alias_parts(name: str) -> list[Path] | None:
     """The files of an alias's installed PyPI wheels, in order; None if a wheel is missing."""
     parts = [_installed_part(dist, rel) for dist, rel in ALIASES[name].parts]
@@ -144,8 +131,6 @@ def resolve_alias(name: str, configured_cache: str | None = None) -> Path:
             raise OptionError(
                 f"assembled {alias.file} has the wrong checksum; reinstall: {alias.pip_command()}"
             )
-    from lm_eval_safe.members.stores.files import remember_sha256
-
     remember_sha256(target, alias.sha256, configured_cache)
     return target
 
@@ -155,8 +140,6 @@ def alias_sha256(name: str, path: Path, configured_cache: str | None = None) -> 
     kept as a store file's sha256 is: later runs compare its size and time of change only). A
     file in the models folder that is not the pinned one (damaged, or another model under the
     alias's file name) fails here, not as another model's answers under the alias's identity."""
-    from lm_eval_safe.members.stores.files import file_sha256
-
     alias = ALIASES[name]
     found = file_sha256(path, configured_cache)
     if found != alias.sha256:

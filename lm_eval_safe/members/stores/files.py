@@ -9,7 +9,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from lm_eval_safe.disk_cache import atomic_write_json, cache_root
 from lm_eval_safe.errors import OptionError
@@ -24,6 +24,18 @@ from lm_eval_safe.members.gguf_info import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_QUANT = "Q4_K_M"  # llama.cpp's -hf default
+
+
+def sha256_of(parts: list[Path], out: BinaryIO | None = None) -> str:
+    """The sha256 of the parts read in order (and written to ``out`` as they are read)."""
+    digest = hashlib.sha256()
+    for part in parts:
+        with part.open("rb") as handle:
+            while block := handle.read(1 << 22):
+                digest.update(block)
+                if out is not None:
+                    out.write(block)
+    return digest.hexdigest()
 
 
 def _record(real: Path, configured_cache: str | None) -> Path:
@@ -41,8 +53,6 @@ def file_sha256(path: Path, configured_cache: str | None = None) -> str:
     """The sha256 of a file's bytes, hashed once: the result is kept under the cache folder
     with the file's size and time of change, and reused while they stay the same (hashing runs
     at about 1 GB/s: seconds for a model of several GB, too long to repeat on every run)."""
-    from lm_eval_safe.members.aliases import sha256_of
-
     real = path.resolve()
     seen = _seen(real)
     record = _record(real, configured_cache)
