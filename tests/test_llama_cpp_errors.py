@@ -40,6 +40,22 @@ def test_batch_size_above_n_seq_max_is_refused_with_the_options() -> None:
     parse_options({"members": "a", "batch_size": "8"})  # no member on llama.cpp: its n_seq_max is not a bound
 
 
+def test_more_sequences_than_n_batch_are_refused_before_llama_cpp_aborts(tmp_path: Path) -> None:
+    """llama.cpp asserts, making a context, that its sequences fit in the output rows of n_batch
+    ids: n_batch=128 with n_seq_max=129 aborts the whole process (SIGABRT, nothing to catch).
+    Refused with the options, and by the engine's context before llama.cpp is called."""
+    from lm_eval_safe.engines.llama_cpp.native import ContextSettings, Model
+
+    expected = "n_seq_max=129 is more sequences than n_batch=128: llama.cpp aborts the process making such a context; give n_batch=129 or more, or n_seq_max=128 or fewer"
+    with pytest.raises(OptionError) as info:
+        parse_options({"members": "a", "engine": "llama_cpp", "n_seq_max": "129"})
+    assert _one_line(info) == expected
+    assert parse_options({"members": "a", "engine": "llama_cpp", "n_seq_max": "129", "n_batch": "129"}).n_seq_max == 129
+    with pytest.raises(OptionError) as info:
+        Model(str(_llama_header(tmp_path / "m.gguf")), 0, ContextSettings(n_ctx=16, n_batch=128, n_seq_max=129, n_threads=1, flash_attn="on"))
+    assert _one_line(info) == expected
+
+
 def test_a_member_llama_cpp_cannot_load_is_refused_before_any_member_loads(
     tiny_bpe_dir: Path, tiny_sp_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -140,7 +156,7 @@ def test_a_kv_cache_this_machine_cannot_hold_is_refused_before_loading(tmp_path:
     memory.check_kv_fits(str(path), 4000, 8, n_gpu_layers=-1)
     monkeypatch.undo()
     with pytest.raises(OptionError, match=r"^n_ctx=16777216 with n_seq_max=64: llama.cpp's KV cache .* would take 24739011624960 bytes"):
-        Model(str(path), 0, ContextSettings(n_ctx=2**24, n_batch=8, n_seq_max=64, n_threads=1, flash_attn="on"))
+        Model(str(path), 0, ContextSettings(n_ctx=2**24, n_batch=64, n_seq_max=64, n_threads=1, flash_attn="on"))
 
 
 # -- the binding -----------------------------------------------------------------------------
@@ -211,7 +227,7 @@ def test_a_failed_context_says_what_llama_cpp_logged(smollm2: str) -> None:
     from lm_eval_safe.engines.llama_cpp.native import ContextSettings, Model
 
     with pytest.raises(OSError) as info:  # past llama.cpp's bound (the options refuse it first)
-        Model(smollm2, 0, ContextSettings(n_ctx=16, n_batch=8, n_seq_max=300, n_threads=1, flash_attn="on"))
+        Model(smollm2, 0, ContextSettings(n_ctx=16, n_batch=512, n_seq_max=300, n_threads=1, flash_attn="on"))
     text = _one_line(info)
     assert "failed to initialize the context: n_seq_max must be <= 256" in text
     assert "give a smaller n_ctx=" not in text  # not a memory failure: not blamed on memory

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lm_eval_safe.engines.llama_cpp.options import DEFAULTS, parse_option
+from lm_eval_safe.engines.llama_cpp.options import DEFAULTS, check_sequences, parse_option
 from lm_eval_safe.engines.spec import EngineSpec, LoadedMember, MemberLoad
 from lm_eval_safe.errors import OptionError
 from lm_eval_safe.members.sources import MemberSource
@@ -37,7 +37,9 @@ class LlamaCppSpec(EngineSpec):
 
     def check_options(self, options: Any) -> None:
         """A row holds one of a member's ``n_seq_max`` sequences from its first id to its last,
-        so a batch of more rows would fail in the middle of a run: refused here."""
+        so a batch of more rows would fail in the middle of a run: refused here, as are more
+        sequences than ``n_batch`` (:func:`.options.check_sequences`)."""
+        check_sequences(options.n_seq_max, options.n_batch)
         rows = options.batch_size
         if rows != "auto" and int(rows) > options.n_seq_max:
             raise OptionError(

@@ -21,6 +21,7 @@ import torch
 
 from lm_eval_safe.engines.llama_cpp.binding import set_fields
 from lm_eval_safe.engines.llama_cpp.memory import check_kv_fits
+from lm_eval_safe.engines.llama_cpp.options import check_sequences
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,7 @@ class Model:
     cells follow its positions whatever other rows did, bit-identical to a fresh context."""
 
     def __init__(self, path: str, n_gpu_layers: int, settings: ContextSettings):
+        check_sequences(settings.n_seq_max, settings.n_batch)
         check_kv_fits(path, settings.n_ctx, settings.n_seq_max, n_gpu_layers)
         lib = backend()
         self.lib = lib
