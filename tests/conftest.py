@@ -265,8 +265,8 @@ def _real_tokenizer(alias: str, models_dir: Path) -> Any:
     from lm_eval_safe.members.aliases import ALIASES
 
     gguf = ALIASES[alias].file
-    stem = Path(gguf).stem
-    for folder in sorted((cache_root() / "converted").glob(f"{stem}-*")):
+    # converted folders are named by the file's sha256 (whichever name reached it)
+    for folder in sorted((cache_root() / "converted").glob(f"sha256-{ALIASES[alias].sha256[:16]}-*")):
         if (folder / "complete.json").is_file() and (folder / "tokenizer.json").is_file():
             return AutoTokenizer.from_pretrained(folder)
     return AutoTokenizer.from_pretrained(models_dir, gguf_file=gguf)

@@ -162,6 +162,21 @@ def ratios(runs: list[Run], methods: list[str]) -> list[dict[str, Any]]:
     return out
 
 
+def engine_label(cfg: dict[str, Any]) -> str:
+    """The members' engine with its own settings, as ``scripts/bench_speed.py`` records them
+    (the engine's name and the settings its spec claims, beside the other configuration): each
+    engine's path is its own (the transformers engine's ``fast_small_linear``, llama.cpp's
+    ``n_ctx`` and ``batch_rows``), and one engine's setting says nothing of another's. A report
+    that names no engine ran on transformers (it was written before engines were recorded)."""
+    from lm_eval_safe.engines import engine
+    from lm_eval_safe.engines.registry import DEFAULT_ENGINE, engine_names
+
+    name = cfg.get("engine", DEFAULT_ENGINE)
+    claimed = engine(name).options if name in engine_names() else {}
+    settings = ", ".join(f"{key}={cfg[key]}" for key in claimed if key in cfg)
+    return f"engine={name}" + (f" ({settings})" if settings else "")
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The printed table of a ``bench_speed`` report, with a warning where methods stopped too
     early for their per-token times to mean much."""
@@ -170,8 +185,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"### bench_speed: {cfg['members']} (drafter {cfg['drafter']}), {cfg['dataset']}, "
         f"{cfg['prompts']} prompt(s) x {cfg['repeats']} repeat(s), max_new_tokens="
         f"{cfg['max_new_tokens']}, draft_len={cfg['draft_len']}, device={cfg['device']}, "
-        f"torch threads={cfg['torch_threads']}, shots={cfg.get('shots', 0)}, "
-        f"fast_small_linear={cfg.get('fast_small_linear', 'off')}"
+        f"torch threads={cfg['torch_threads']}, shots={cfg.get('shots', 0)}, {engine_label(cfg)}"
         + (", EOS masked (--ignore-eos)" if cfg["ignore_eos"] else ""),
         "",
         "| method | tokens | s | tok/s | t/token vs hf (median) | (total) | E/T % | acceptance "

@@ -21,7 +21,12 @@ from lm_eval_safe.engines import generation_rows, load_members
 from lm_eval_safe.errors import OptionError
 from lm_eval_safe.harness.distributed import AcceleratorView, ProcessGroup
 from lm_eval_safe.harness.generation_requests import EmptyResponses, JobBuilder, request_label
-from lm_eval_safe.harness.use_cache import cache_identity, cache_namespace, use_cache_table
+from lm_eval_safe.harness.use_cache import (
+    cache_identity,
+    cache_namespace,
+    earlier_namespace,
+    use_cache_table,
+)
 from lm_eval_safe.members.member import Member, chat_context
 from lm_eval_safe.members.placement import (
     LM_EVAL_CLI_DEFAULT_DEVICE,
@@ -119,18 +124,16 @@ class SafeEnsembleLM(LM):
             self.total_stats = summed(self.process_group.all_gather_object(self.run_stats))
 
     # -- lm-eval's --use_cache (lm_eval_safe.harness.use_cache) --------------------------------------
-    def cache_identity(self) -> dict[str, Any]:
-        return cache_identity(self.options, self.members, self.drafter_index)
-
     @property
     def cache_namespace(self) -> str:
-        return cache_namespace(self.cache_identity())
+        return cache_namespace(cache_identity(self.options, self.members, self.drafter_index))
 
     def set_cache_hook(self, cache_hook: Any) -> None:
         """lm-eval wraps the model for ``--use_cache`` by handing it a hook on its cache store;
         give this configuration its own table there first (:func:`use_cache_table`)."""
         if cache_hook.dbdict is not None:
-            use_cache_table(cache_hook.dbdict, self.cache_namespace)
+            earlier = earlier_namespace(self.options, self.members, self.drafter_index)
+            use_cache_table(cache_hook.dbdict, self.cache_namespace, earlier)
         super().set_cache_hook(cache_hook)
 
     # -- construction from lm-eval ---------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import Any
 from lm_eval_safe.errors import OptionError
 from lm_eval_safe.lm_eval_compat import bos_rule
 from lm_eval_safe.members.member import Member
+from lm_eval_safe.members.sources import earlier_identity
 from lm_eval_safe.options import SafeOptions
 
 logger = logging.getLogger("lm_eval_safe")
@@ -29,9 +30,9 @@ CACHE_NAMESPACE_FORMAT = 2
 
 def cache_identity(options: SafeOptions, members: Sequence[Member], drafter: int) -> dict[str, Any]:
     """What the responses of a configuration depend on: the output-changing options
-    (:data:`~lm_eval_safe.options.OUTPUT_OPTIONS`) with each member's resolved identity (alias
-    and checksum, or file/folder and size+mtime, and the dtype it was loaded in) and the drafter
-    as an index into them."""
+    (:data:`~lm_eval_safe.options.OUTPUT_OPTIONS`) with each member's resolved identity (a
+    GGUF's sha256 whatever alias, path or store name reached it; a folder's files' sizes and
+    mtimes; and the dtype it was loaded in) and the drafter as an index into them."""
     identity = options.output_identity()
     identity["members"] = [m.identity() for m in members]
     identity["drafter"] = drafter
@@ -48,7 +49,23 @@ def cache_namespace(identity: dict[str, Any]) -> str:
     return "safe-ensemble-" + hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-def use_cache_table(store: Any, table: str) -> None:
+def earlier_namespace(options: SafeOptions, members: Sequence[Member], drafter: int) -> str | None:
+    """The table this configuration had before every GGUF member was identified by its content
+    (aliases by name, paths by size and mtime: :func:`~lm_eval_safe.members.sources.
+    earlier_identity`), or None where no member's identity changed. Answers kept there are not
+    reused (the format stays, so store-name tables stay valid); :func:`use_cache_table` says so."""
+    identity = cache_identity(options, members, drafter)
+    changed = False
+    for i, member in enumerate(members):
+        before = earlier_identity(member.source)
+        if before is not None:
+            rest = {k: v for k, v in identity["members"][i].items() if k != "sha256"}
+            identity["members"][i] = {**before, **rest}
+            changed = True
+    return cache_namespace(identity) if changed else None
+
+
+def use_cache_table(store: Any, table: str, earlier: str | None = None) -> None:
     """Point lm-eval's ``--use_cache`` store at ``table`` of the same sqlite file.
 
     lm-eval keys cached responses by the request alone, and ``CachingLM`` and its cache hook
@@ -65,6 +82,14 @@ def use_cache_table(store: Any, table: str) -> None:
     if store.tablename == table:
         return
     logger.info("--use_cache: %s keeps this configuration's results in table %s", store.filename, table)
+    known = "SELECT name FROM sqlite_master WHERE type='table' AND name=?"
+    if earlier and store.conn.select_one(known, (earlier,)) and not store.conn.select_one(known, (table,)):
+        logger.warning(
+            "--use_cache: %s holds answers of this configuration from an earlier version (table %s), "
+            "kept under its GGUF members' names or paths; they are not reused, since members are now "
+            "keyed by their files' sha256 (any name of one file shares answers): this run computes "
+            "them again", store.filename, earlier,
+        )  # fmt: skip
     store.conn.execute(f'CREATE TABLE IF NOT EXISTS "{table}" (key TEXT PRIMARY KEY, value BLOB)')
     store.conn.commit(blocking=True)
     store.tablename = table

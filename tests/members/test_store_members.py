@@ -95,7 +95,8 @@ def test_store_members_through_lm_eval_traces_report_and_use_cache(
 ) -> None:
     """SmolLM2 from Ollama and Gemma-3 from LM Studio, ensembled on llama.cpp through lm-eval:
     the answers of the same files named as aliases; traced, read back by the report, and kept by
-    ``--use_cache`` in a table of their own, answered again from it."""
+    ``--use_cache`` in a table of their own, answered again from it, also to the aliases (a
+    member is its file's content, whatever names it)."""
     import sqlite3
 
     from helpers import evaluate_gsm8k, write_apples_gsm8k
@@ -128,6 +129,8 @@ def test_store_members_through_lm_eval_traces_report_and_use_cache(
     assert report_run.config in write_report([tmp_path / "out"], tmp_path / "report.html").read_text()
     again = run(f"{stored},trace=true", use_cache=cache)
     assert again["config"]["safe_stats"]["requests"] == 0 and texts(again) == texts(aliases)
+    named = run("smollm2-135m,gemma3-270m", use_cache=cache)  # the same files as aliases: one table
+    assert named["config"]["safe_stats"]["requests"] == 0 and texts(named) == texts(aliases)
     with sqlite3.connect(f"{cache}_rank0.db") as db:
         tables = [name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type='table'") if name != "unnamed"]
     assert len(tables) == 1 and tables[0].startswith("safe-ensemble-")

@@ -12,7 +12,8 @@ llama-cpp-python's low-level API, the file loaded as it is (no de-quantized copy
 
 Modules: :mod:`.native` (the C API in one place), :mod:`.slots`, :mod:`.batch`, :mod:`.scoring`,
 :mod:`.engine`, :mod:`.loading`, :mod:`.options` (llama.cpp's option names and their checks),
-:mod:`.binding` (the tested llama-cpp-python releases and the fields the exactness rests on).
+:mod:`.binding` (the tested llama-cpp-python releases and the fields the exactness rests on),
+:mod:`.memory` (the KV cache's bytes from the GGUF header, refused before loading past memory).
 This module stays light: llama-cpp-python and torch are imported when a member loads.
 """
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lm_eval_safe.engines.llama_cpp.options import DEFAULTS, parse_option
+from lm_eval_safe.engines.llama_cpp.options import DEFAULTS, check_sequences, parse_option
 from lm_eval_safe.engines.spec import EngineSpec, LoadedMember, MemberLoad
 from lm_eval_safe.errors import OptionError
 from lm_eval_safe.members.sources import MemberSource
@@ -36,7 +37,9 @@ class LlamaCppSpec(EngineSpec):
 
     def check_options(self, options: Any) -> None:
         """A row holds one of a member's ``n_seq_max`` sequences from its first id to its last,
-        so a batch of more rows would fail in the middle of a run: refused here."""
+        so a batch of more rows would fail in the middle of a run: refused here, as are more
+        sequences than ``n_batch`` (:func:`.options.check_sequences`)."""
+        check_sequences(options.n_seq_max, options.n_batch)
         rows = options.batch_size
         if rows != "auto" and int(rows) > options.n_seq_max:
             raise OptionError(

@@ -9,6 +9,7 @@ from typing import Any
 
 from lm_eval_safe.disk_cache import cache_root, cached_folder
 from lm_eval_safe.engines.llama_cpp.binding import require_llama_cpp
+from lm_eval_safe.engines.llama_cpp.memory import check_kv_fits
 from lm_eval_safe.engines.llama_cpp.options import DEFAULTS, threads
 from lm_eval_safe.errors import OptionError
 
@@ -17,8 +18,8 @@ TEXT_FORMAT = 1
 
 
 def text_folder(path: Path, root: Path, sha256: tuple[str, ...] = ()) -> Path:
-    """One folder per GGUF file (its size and time of change; a store's file, whose sha256 is
-    known: its content, so one file under several names shares it) and transformers version:
+    """One folder per GGUF content (its sha256, so one file under several names, alias, path
+    or store's, shares it; without one: its path, size and time of change) and transformers version:
     the tokenizer and config files are written by the installed transformers, and another
     release may read them differently."""
     import hashlib
@@ -94,6 +95,7 @@ def load_gguf(
 
     source = load.source
     path = Path(source.location)  # a GGUF file (the spec's check_source)
+    check_kv_fits(str(path), n_ctx, n_seq_max, n_gpu_layers)  # before the tokenizer's 5-30 s
     tokenizer, config, generation_config = text_side(
         path, load.trust_remote_code, cache_root(load.cache_dir), source.sha256
     )

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 
 from lm_eval_safe.engines.llama_cpp.binding import set_fields
+from lm_eval_safe.engines.llama_cpp.memory import check_kv_fits
+from lm_eval_safe.engines.llama_cpp.options import check_sequences
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +100,8 @@ def backend() -> Any:
 
 @dataclass(frozen=True)
 class ContextSettings:
-    """What a model and its context are made with (llama.cpp's names). ``n_ctx``: KV cells of
-    each sequence (each has a stream of its own)."""
+    """What a model and its context are made with (llama.cpp's names). ``n_ctx``: ids of each
+    sequence (each has a stream of its own, of ``n_ctx`` cells padded to a multiple of 256)."""
 
     n_ctx: int
     n_batch: int
@@ -147,6 +149,8 @@ class Model:
     cells follow its positions whatever other rows did, bit-identical to a fresh context."""
 
     def __init__(self, path: str, n_gpu_layers: int, settings: ContextSettings):
+        check_sequences(settings.n_seq_max, settings.n_batch)
+        check_kv_fits(path, settings.n_ctx, settings.n_seq_max, n_gpu_layers)
         lib = backend()
         self.lib = lib
         params = lib.llama_model_default_params()
@@ -198,8 +202,10 @@ class Model:
             )
         self.ctx = ctx
         self.memory = lib.llama_get_memory(ctx)
-        #: KV cells of each sequence
+        #: ids of each sequence, as configured (what ``max_length`` is capped at)
         self.n_ctx = settings.n_ctx
+        #: KV cells each sequence has: ``n_ctx`` padded by llama.cpp (:mod:`.memory`), read back
+        self.cells_per_sequence = int(lib.llama_n_ctx_seq(ctx))
         self.n_batch = int(lib.llama_n_batch(ctx))
         # read back what the context was made with: a decode of a block must be one micro-batch
         # (the rows' exactness), and every row needs its sequence

@@ -83,3 +83,15 @@ def threads(n_threads: int) -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
         return max(1, os.cpu_count() or 1)
+
+
+def check_sequences(n_seq_max: int, n_batch: int) -> None:
+    """Making a context, llama.cpp asserts that its ``n_seq_max`` sequences fit in the output
+    rows it reserves for ``n_batch`` ids (``GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max)``
+    with n_batch=128 and n_seq_max=129), and a failed assertion aborts the whole process, with no
+    error a caller could catch: such settings are refused before any member loads."""
+    if n_seq_max > n_batch:
+        raise OptionError(
+            f"n_seq_max={n_seq_max} is more sequences than n_batch={n_batch}: llama.cpp aborts the "
+            f"process making such a context; give n_batch={n_seq_max} or more, or n_seq_max={n_batch} or fewer"
+        )

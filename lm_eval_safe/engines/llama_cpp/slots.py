@@ -140,9 +140,11 @@ class Slots:
                 self.canonical[feed.slot] = min(self.canonical[feed.slot], feed.start // self.block * self.block)
             if exc.code == 1:
                 said = f"; llama.cpp: {exc.words}" if exc.words else ""
+                cells, n_ctx = self.model.cells_per_sequence, self.model.n_ctx
+                padded = f", n_ctx={n_ctx} padded by llama.cpp" if cells != n_ctx else ""
                 raise RuntimeError(
-                    f"llama.cpp found no KV slot for this batch ({self.model.n_ctx} cells for each "
-                    f"sequence{said}): give a larger n_ctx="
+                    f"llama.cpp found no KV slot for this batch ({cells} cells for each "
+                    f"sequence{padded}{said}): give a larger n_ctx="
                 ) from exc
             raise RuntimeError(
                 f"llama.cpp refused a decode: {exc}; the member's cache was rolled back to before "

@@ -96,21 +96,26 @@ def _described(name: str, source: str, path: Path, size: int | None = None) -> L
 
 def list_models(configured_cache: str | None = None) -> list[Listed]:
     """Every member this machine can load without downloading: the aliases whose files are
-    here, Ollama's models, GGUF files in the hub cache and in LM Studio's folder."""
-    from lm_eval_safe.members.aliases import ALIASES, installed_alias_parts, models_dir
+    here (a file in wheel parts assembled once, as its first use would: the path listed is one
+    a user can open), Ollama's models, GGUF files in the hub cache and in LM Studio's folder."""
+    from lm_eval_safe.members.aliases import (
+        ALIASES,
+        installed_alias_parts,
+        models_dir,
+        resolve_alias,
+    )
 
     listed = []
     first_names = {id(alias): name for name, alias in reversed(ALIASES.items())}  # not the short ones
     for alias in sorted(first_names.values()):
-        local = models_dir(configured_cache) / ALIASES[alias].file
-        wheels = installed_alias_parts(alias)
-        if local.is_file():
-            listed.append(_described(alias, "alias", local))
-        elif wheels is not None:
-            # read from the first wheel part (the header comes first); assembled on first use
-            listed.append(_described(alias, "alias", wheels[0], sum(p.stat().st_size for p in wheels)))
-        else:
+        here = (models_dir(configured_cache) / ALIASES[alias].file).is_file()
+        if not here and installed_alias_parts(alias) is None:
             listed.append(Listed(alias, "alias", None, None, note=f"not installed: {ALIASES[alias].pip_command()}"))
+            continue
+        try:
+            listed.append(_described(alias, "alias", resolve_alias(alias, configured_cache)))
+        except OptionError as exc:  # wheels that do not give the pinned file
+            listed.append(Listed(alias, "alias", None, None, note=str(exc)))
     for name, _ in ollama.ollama_manifests(ollama.ollama_dir()):
         try:
             blob, _ = ollama.ollama_blob(f"ollama:{name}", name)

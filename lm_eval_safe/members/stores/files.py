@@ -9,6 +9,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from lm_eval_safe.disk_cache import atomic_write_json, cache_root
 from lm_eval_safe.errors import OptionError
@@ -25,26 +26,67 @@ logger = logging.getLogger(__name__)
 DEFAULT_QUANT = "Q4_K_M"  # llama.cpp's -hf default
 
 
+def sha256_of(parts: list[Path], out: BinaryIO | None = None) -> str:
+    """The sha256 of the parts read in order (and written to ``out`` as they are read)."""
+    digest = hashlib.sha256()
+    for part in parts:
+        with part.open("rb") as handle:
+            while block := handle.read(1 << 22):
+                digest.update(block)
+                if out is not None:
+                    out.write(block)
+    return digest.hexdigest()
+
+
+def _record(real: Path, configured_cache: str | None) -> Path:
+    """Where a file's sha256 is kept, by its real path."""
+    return cache_root(configured_cache) / "sha256" / f"{hashlib.sha1(str(real).encode()).hexdigest()}.json"
+
+
+def _seen(real: Path) -> dict[str, Any]:
+    """What a kept sha256 is reused for: the same file, size and time of change."""
+    stat = real.stat()
+    return {"path": str(real), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
 def file_sha256(path: Path, configured_cache: str | None = None) -> str:
     """The sha256 of a file's bytes, hashed once: the result is kept under the cache folder
     with the file's size and time of change, and reused while they stay the same (hashing runs
     at about 1 GB/s: seconds for a model of several GB, too long to repeat on every run)."""
-    from lm_eval_safe.members.aliases import sha256_of
-
     real = path.resolve()
-    stat = real.stat()
-    record = cache_root(configured_cache) / "sha256" / f"{hashlib.sha1(str(real).encode()).hexdigest()}.json"
-    seen = {"path": str(real), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    seen = _seen(real)
+    record = _record(real, configured_cache)
     try:
         kept = json.loads(record.read_text())
         if {k: kept.get(k) for k in seen} == seen and isinstance(kept.get("sha256"), str):
             return kept["sha256"]
     except (OSError, ValueError, AttributeError):
         pass  # no record yet, or not one this function wrote: hash again
-    logger.info("hashing %s (%.1f GB) once, to know its content", real.name, stat.st_size / 1e9)
+    logger.info("hashing %s (%.1f GB) once, to know its content", real.name, seen["size"] / 1e9)
     digest = sha256_of([real])
     atomic_write_json(record, {**seen, "sha256": digest})
     return digest
+
+
+def remember_sha256(path: Path, digest: str, configured_cache: str | None = None) -> None:
+    """Keep ``digest`` as the sha256 of a file just written from bytes hashed on the way (an
+    alias's parts assembled), so that :func:`file_sha256` does not read it again."""
+    real = path.resolve()
+    atomic_write_json(_record(real, configured_cache), {**_seen(real), "sha256": digest})
+
+
+def parts_sha256(spec: str, path: Path, configured_cache: str | None = None) -> tuple[str, ...]:
+    """The sha256 of each file of a GGUF named by its path (a split model's parts, found beside
+    the first, in order), each hashed once: a member's identity is its content, whatever path or
+    name reaches it."""
+    parts = split_parts(path)
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise OptionError(
+            f"member {spec!r}: {parts[0].name} is split in {len(parts)} files and "
+            f"{', '.join(missing)} is missing beside it; download the model again"
+        )
+    return tuple(file_sha256(part, configured_cache) for part in parts)
 
 
 def checked_digest(spec: str, path: Path, expected: str, configured_cache: str | None) -> str:

@@ -40,6 +40,22 @@ def test_batch_size_above_n_seq_max_is_refused_with_the_options() -> None:
     parse_options({"members": "a", "batch_size": "8"})  # no member on llama.cpp: its n_seq_max is not a bound
 
 
+def test_more_sequences_than_n_batch_are_refused_before_llama_cpp_aborts(tmp_path: Path) -> None:
+    """llama.cpp asserts, making a context, that its sequences fit in the output rows of n_batch
+    ids: n_batch=128 with n_seq_max=129 aborts the whole process (SIGABRT, nothing to catch).
+    Refused with the options, and by the engine's context before llama.cpp is called."""
+    from lm_eval_safe.engines.llama_cpp.native import ContextSettings, Model
+
+    expected = "n_seq_max=129 is more sequences than n_batch=128: llama.cpp aborts the process making such a context; give n_batch=129 or more, or n_seq_max=128 or fewer"
+    with pytest.raises(OptionError) as info:
+        parse_options({"members": "a", "engine": "llama_cpp", "n_seq_max": "129"})
+    assert _one_line(info) == expected
+    assert parse_options({"members": "a", "engine": "llama_cpp", "n_seq_max": "129", "n_batch": "129"}).n_seq_max == 129
+    with pytest.raises(OptionError) as info:
+        Model(str(_llama_header(tmp_path / "m.gguf")), 0, ContextSettings(n_ctx=16, n_batch=128, n_seq_max=129, n_threads=1, flash_attn="on"))
+    assert _one_line(info) == expected
+
+
 def test_a_member_llama_cpp_cannot_load_is_refused_before_any_member_loads(
     tiny_bpe_dir: Path, tiny_sp_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -96,6 +112,51 @@ def test_the_server_keeps_a_sequence_for_scoring(caplog: pytest.LogCaptureFixtur
     ]
     with pytest.raises(OptionError, match="a llama.cpp sequence of its own beside the rows: give n_seq_max=2"):
         engines.serving_rows(opts, [member(1)])
+
+
+def _llama_header(path: Path) -> Path:
+    """A GGUF header shaped as SmolLM2-135M's (30 layers, 9 heads, 3 of keys and values, width
+    576), without weights: llama.cpp cannot load it, so a refusal before loading is the only
+    way past it."""
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(path, "llama")
+    writer.add_block_count(30)
+    writer.add_embedding_length(576)
+    writer.add_head_count(9)
+    writer.add_head_count_kv(3)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return path
+
+
+def test_a_kv_cache_this_machine_cannot_hold_is_refused_before_loading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache's bytes, by hand: 8 sequences of 4096 cells x 30 layers x 3 heads x (64 + 64)
+    values x 2 bytes (f16) = 754974720; n_ctx=4000 is padded to the same 4096 cells, n_ctx=100
+    to 256. Past the available memory it is refused in one line naming the bytes; a GPU's
+    memory (n_gpu_layers) is llama.cpp's to refuse."""
+    from lm_eval_safe.engines.llama_cpp import memory
+    from lm_eval_safe.engines.llama_cpp.native import ContextSettings, Model
+    from lm_eval_safe.members.gguf_info import read_header
+
+    path = _llama_header(tmp_path / "smol-shaped.gguf")
+    shape = memory.kv_shape(read_header(path))
+    assert shape is not None and shape.bytes(4096, 8) == shape.bytes(4000, 8) == 754974720
+    assert shape.bytes(100, 1) == 256 * 30 * 3 * 128 * 2
+    monkeypatch.setattr(memory, "available_memory", lambda: 5 * 10**8)
+    with pytest.raises(OptionError) as info:
+        Model(str(path), 0, ContextSettings(n_ctx=4000, n_batch=8, n_seq_max=8, n_threads=1, flash_attn="on"))
+    assert _one_line(info) == (
+        "n_ctx=4000 with n_seq_max=8: llama.cpp's KV cache of smol-shaped.gguf would take 754974720 bytes "
+        "(0.7 GiB: 8 sequences of 4096 cells, 30 layers, f16) and this machine has 500000000 bytes "
+        "(0.5 GiB) available: give a smaller n_ctx= or n_seq_max="
+    )
+    memory.check_kv_fits(str(path), 2048, 8, n_gpu_layers=0)  # 377487360 bytes: fits
+    memory.check_kv_fits(str(path), 4000, 8, n_gpu_layers=-1)
+    monkeypatch.undo()
+    with pytest.raises(OptionError, match=r"^n_ctx=16777216 with n_seq_max=64: llama.cpp's KV cache .* would take 24739011624960 bytes"):
+        Model(str(path), 0, ContextSettings(n_ctx=2**24, n_batch=64, n_seq_max=64, n_threads=1, flash_attn="on"))
 
 
 # -- the binding -----------------------------------------------------------------------------
@@ -166,7 +227,7 @@ def test_a_failed_context_says_what_llama_cpp_logged(smollm2: str) -> None:
     from lm_eval_safe.engines.llama_cpp.native import ContextSettings, Model
 
     with pytest.raises(OSError) as info:  # past llama.cpp's bound (the options refuse it first)
-        Model(smollm2, 0, ContextSettings(n_ctx=16, n_batch=8, n_seq_max=300, n_threads=1, flash_attn="on"))
+        Model(smollm2, 0, ContextSettings(n_ctx=16, n_batch=512, n_seq_max=300, n_threads=1, flash_attn="on"))
     text = _one_line(info)
     assert "failed to initialize the context: n_seq_max must be <= 256" in text
     assert "give a smaller n_ctx=" not in text  # not a memory failure: not blamed on memory
@@ -187,7 +248,7 @@ def test_each_decode_code_is_named_for_what_it_is(smollm2: str) -> None:
         slots.decode([Feed(0, 0, [1] * 200, [199])])
         with pytest.raises(RuntimeError) as info:
             slots.decode([Feed(0, 200, [1] * 100, [299])])
-        assert _one_line(info).startswith("llama.cpp found no KV slot for this batch (32 cells for each sequence; llama.cpp: decode: failed to find a memory slot")
+        assert _one_line(info).startswith("llama.cpp found no KV slot for this batch (256 cells for each sequence, n_ctx=32 padded by llama.cpp; llama.cpp: decode: failed to find a memory slot")
         assert str(info.value).endswith("give a larger n_ctx=")
         assert info.value.__cause__.code == 1 and slots.cached[0] == [1] * 200
         with pytest.raises(RuntimeError) as info:
@@ -212,3 +273,33 @@ def test_a_context_made_otherwise_than_asked_is_refused(smollm2: str, monkeypatc
     with pytest.raises(OSError) as info:
         Model(smollm2, 0, ContextSettings(n_ctx=64, n_batch=64, n_seq_max=2, n_threads=1, flash_attn="on"))
     assert "with {'n_ubatch': 32, 'n_seq_max': 2} where this engine set {'n_ubatch': 64, 'n_seq_max': 2}" in _one_line(info)
+
+
+@pytest.mark.real
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("alias", ["smollm2-135m", "gemma3-270m"])
+def test_the_kv_cache_bytes_are_llama_cpps_own(alias: str, llama_cpp_installed: None, models: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The bytes computed from the header are those llama.cpp logs for its caches (Gemma-3:
+    its full-attention and sliding-window caches, each ``size = X MiB (N cells, L layers, S/S
+    seqs)``), with the cells per sequence it reads back; an absurd n_ctx is refused before
+    the weights load."""
+    import re
+
+    from lm_eval_safe.engines.llama_cpp.memory import kv_shape
+    from lm_eval_safe.engines.llama_cpp.native import ContextSettings, Model
+    from lm_eval_safe.members.gguf_info import read_header
+    from lm_eval_safe.members.sources import resolve_source
+
+    path = resolve_source(alias).location
+    with caplog.at_level(logging.DEBUG, logger="lm_eval_safe.engines.llama_cpp.native"):
+        model = Model(path, 0, ContextSettings(n_ctx=300, n_batch=64, n_seq_max=3, n_threads=1, flash_attn="on"))
+    model.close()
+    caches = [re.search(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells, +(\d+) layers, +(\d+)/\d+ seqs\)", r.getMessage()) for r in caplog.records]
+    caches = [(float(m[1]), int(m[2]), int(m[3]), int(m[4])) for m in caches if m]
+    assert caches and {(cells, seqs) for _, cells, _, seqs in caches} == {(512, 3)} and model.cells_per_sequence == 512
+    shape = kv_shape(read_header(Path(path)))
+    assert shape is not None and shape.layers == sum(layers for _, _, layers, _ in caches)
+    assert shape.bytes(300, 3) / 2**20 == pytest.approx(sum(mib for mib, *_ in caches), abs=0.005 * len(caches))
+    with pytest.raises(OptionError) as info:
+        engines.load_member(alias, engine="llama_cpp", n_ctx=2**26, n_seq_max=8)
+    assert re.match(rf"n_ctx={2**26} with n_seq_max=8: llama.cpp's KV cache of {Path(path).name} would take {shape.bytes(2**26, 8)} bytes", _one_line(info))
