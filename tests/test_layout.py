@@ -279,3 +279,21 @@ def test_imports_run_down_the_floors() -> None:
         if FLOORS[imported] >= FLOORS[room] and (room, imported) != HOOK_ARROW
     ]
     assert upward == []
+
+
+def test_no_test_folder_stands_in_for_a_library() -> None:
+    """pytest puts each test file's folder on ``sys.path``: a test folder named as a library
+    (``vllm``, ``llama_cpp``) would be found by ``find_spec`` as a namespace package, and tests
+    that skip without the library would run where it is not installed."""
+    import importlib.util
+
+    folders = {p.name for p in (REPO / "tests").rglob("*") if p.is_dir() and p.name != "__pycache__"}
+    libraries = {"vllm", "llama_cpp", "transformers", "torch", "lm_eval", "tokenizers", "gguf", "openai"}
+    assert folders & libraries == set()
+    shadowed = []
+    for name in sorted(folders):  # an installed package of a test folder's name
+        spec = importlib.util.find_spec(name) if name.isidentifier() else None
+        places = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+        if spec and (spec.origin or any(not p.is_relative_to(REPO) for p in places)):
+            shadowed.append(name)
+    assert shadowed == []

@@ -1,6 +1,6 @@
 """One member on ``engine=vllm`` against lm-eval's own ``--model vllm`` on the same checkpoint
 and engine arguments: the same greedy responses through lm-eval's pipeline, log-likelihoods
-within a tolerance. Shared by ``tests/engines/vllm/test_vllm_against_lm_eval.py`` (CI, CPU) and
+within a tolerance. Shared by ``tests/engines/vllm_engine/test_vllm_against_lm_eval.py`` (CI, CPU) and
 ``scripts/check_vllm_gpu.py`` (a GPU machine).
 """
 

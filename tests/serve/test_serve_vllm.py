@@ -1,6 +1,6 @@
 """``lm-eval-safe serve`` with members on vLLM (``engine=vllm``): concurrent clients, streamed and
 whole, get the texts the same members write alone on the transformers engine (the two engines
-write identical texts: tests/engines/vllm/test_vllm_engine.py). Tiny members with a head size vLLM's CPU
+write identical texts: tests/engines/vllm_engine/test_vllm_engine.py). Tiny members with a head size vLLM's CPU
 kernels accept."""
 
 from __future__ import annotations
