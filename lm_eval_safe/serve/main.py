@@ -90,12 +90,7 @@ def run(args: argparse.Namespace) -> None:
 
     import uvicorn
 
-    from lm_eval_safe.errors import OptionError
-
-    try:
-        app = build(args.model_args, args.served_model_name, api_key, args.max_request_bytes, args.log_prompts)
-    except OptionError as exc:
-        sys.exit(f"lm-eval-safe serve: {exc}")
+    app = build(args.model_args, args.served_model_name, api_key, args.max_request_bytes, args.log_prompts)
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without an API key: anyone who reaches it can use it (--api-key)", args.host)
     config = uvicorn.Config(
