@@ -14,6 +14,7 @@ from helpers import evaluate_gsm8k as _simple_evaluate
 from helpers import write_gsm8k as _tiny_gsm8k
 
 
+@pytest.mark.slow
 def test_console_command_finds_its_tasks(tmp_path: Path, tiny_bpe_dir: Path, tiny_sp_dir: Path) -> None:
     data = _tiny_gsm8k(tmp_path)
     exe = Path(sys.executable).with_name("lm-eval-safe")
@@ -32,6 +33,7 @@ def test_console_command_finds_its_tasks(tmp_path: Path, tiny_bpe_dir: Path, tin
     assert results.parent.name == f"safe-ensemble__{tiny_bpe_dir.name}+{tiny_sp_dir.name}__drafter-{tiny_sp_dir.name}__safe-unite"
 
 
+@pytest.mark.slow
 def test_simple_evaluate_with_literal_members_string(tmp_path: Path, tiny_bpe_dir: Path, tiny_sp_dir: Path) -> None:
     results = _simple_evaluate(
         _tiny_gsm8k(tmp_path),
@@ -47,6 +49,7 @@ def test_simple_evaluate_with_literal_members_string(tmp_path: Path, tiny_bpe_di
     assert "safe_gsm8k" in results["results"]
 
 
+@pytest.mark.slow
 def test_simple_evaluate_batch_size_gives_the_same_responses(
     tmp_path: Path, tiny_bpe_dir: Path, tiny_gemma_dir: Path
 ) -> None:
@@ -83,6 +86,7 @@ def _responses(results: dict, task: str) -> list[list[str]]:
     return [s["resps"][0] for s in ordered]
 
 
+@pytest.mark.slow
 def test_self_consistency_task_with_use_cache(tmp_path: Path, tiny_bpe_dir: Path, tiny_sp_dir: Path) -> None:
     """safe_gsm8k_sc end to end: 4 different samples per question, a majority-vote metric, and
     with ``--use_cache`` (which never reads do_sample=True requests) a second run that samples
@@ -107,6 +111,7 @@ def test_self_consistency_task_with_use_cache(tmp_path: Path, tiny_bpe_dir: Path
     assert runs[1] == runs[0]
 
 
+@pytest.mark.slow
 def test_simple_evaluate_gen_kwargs_turn_on_sampling_seeded_by_lm_eval(
     tmp_path: Path, tiny_bpe_dir: Path, tiny_sp_dir: Path
 ) -> None:

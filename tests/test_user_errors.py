@@ -21,6 +21,8 @@ from lm_eval_safe.errors import (
     reporting_user_errors,
 )
 
+pytestmark = pytest.mark.slow  # whole processes and end-to-end runs: the slow tier
+
 DRAFT_LEN = "draft_len=0 must be at least 1 (or auto)"
 COLLISION = (
     "members 'smollm2-135m' and 'ollama:smollm2:135m' would both be called 'smollm2-135m' (in results, "

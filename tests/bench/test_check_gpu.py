@@ -20,6 +20,8 @@ import pytest
 from helpers import REPO, write_apples_gsm8k
 from tiny_tokenizers import train_byte_bpe_tokenizer, train_sentencepiece_style_tokenizer
 
+pytestmark = pytest.mark.slow  # whole processes and end-to-end runs: the slow tier
+
 SCRIPT = REPO / "scripts" / "check_gpu.sh"
 
 

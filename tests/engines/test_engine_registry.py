@@ -17,7 +17,6 @@ from lm_eval_safe.engines.spec import EngineSpec
 from lm_eval_safe.errors import OptionError
 from lm_eval_safe.options import parse_options
 
-REPO = REPO
 NAME = third_engine.NAME
 
 

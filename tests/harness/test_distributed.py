@@ -8,11 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import REPO, gen_request, make_lm, run_gsm8k_cli, torchrun, write_apples_gsm8k
 
 from lm_eval_safe.decoder.stats import GenerationStats
 
-REPO = REPO
+pytestmark = pytest.mark.slow  # whole processes and end-to-end runs: the slow tier
+
 
 
 def test_two_processes_match_one(tmp_path: Path, tiny_bpe_dir: Path, tiny_sp_dir: Path) -> None:

@@ -13,6 +13,8 @@ from lm_eval_safe.bench.eos import mask_eos
 from lm_eval_safe.bench.memory import generate_with_probe
 from lm_eval_safe.harness import model as model_module
 
+pytestmark = pytest.mark.slow  # whole processes and end-to-end runs: the slow tier
+
 
 def test_200_requests_of_256_tokens_keep_memory_flat(
     tiny_bpe_dir: Path, tiny_sp_dir: Path, monkeypatch: pytest.MonkeyPatch

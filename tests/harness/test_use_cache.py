@@ -19,9 +19,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from helpers import evaluate_gsm8k, make_lm, write_gsm8k
 
 import lm_eval_safe
+
+pytestmark = pytest.mark.slow  # whole processes and end-to-end runs: the slow tier
 
 ROWS = [
     {"question": f"{name} has {a} {item} and buys {b} more. How many {item} now?", "answer": f"#### {a + b}"}

@@ -19,6 +19,8 @@ from lm_eval_safe.leaderboard.browser import HeadlessPage, find_chromium
 from lm_eval_safe.leaderboard.html_report import build_report, write_report
 from lm_eval_safe.leaderboard.runs import RunsError, read_runs
 
+pytestmark = pytest.mark.slow  # whole processes and end-to-end runs: the slow tier
+
 QUESTIONS = [{"question": f"What is {i} plus 3?", "answer": f"#### {i + 3}"} for i in range(4)]
 
 

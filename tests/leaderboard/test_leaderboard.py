@@ -20,6 +20,8 @@ from helpers import parse_lm_eval_command
 from lm_eval_safe.leaderboard.configs import ENSEMBLE_CONFIGS, build_configs
 from lm_eval_safe.leaderboard.report import wilson_interval
 
+pytestmark = pytest.mark.slow  # whole processes and end-to-end runs: the slow tier
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 GSM8K_ROWS = [

@@ -20,7 +20,6 @@ from lm_eval_safe.errors import OptionError
 from lm_eval_safe.harness.model import SafeEnsembleLM
 from lm_eval_safe.members.placement import Placement, plan_placement, resolve_device
 
-REPO = REPO
 MEMBERS = ["org/a", "/models/b"]
 
 

@@ -24,7 +24,7 @@ from serve_helpers import ServerProcess, get, metric, post, rss_kib, stream_piec
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 
 @pytest.fixture(scope="module")

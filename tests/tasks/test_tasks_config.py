@@ -29,7 +29,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.model import LM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data not found at {DATA}")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data not found at {DATA}")]
 
 MATH_SUFFIX = " Please reason step by step, and put your final answer within \\boxed{}."
 # docs/algorithm.md, The paper's numbers: the BBH subjects the paper uses.
