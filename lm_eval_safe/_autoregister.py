@@ -67,6 +67,9 @@ def register_model() -> None:
         if MODEL_NAME not in registry.model_registry:
             registry.model_registry.register(MODEL_NAME, target=PLACEHOLDER)
     else:
+        model = sys.modules.get("lm_eval_safe.harness.model")
+        if model is not None and not hasattr(model, "SafeEnsembleLM"):
+            return  # it is importing lm-eval now (imported first): it registers itself when done
         from lm_eval_safe.harness.model import SafeEnsembleLM
 
         registry.MODEL_REGISTRY.setdefault(MODEL_NAME, SafeEnsembleLM)

@@ -13,7 +13,7 @@ from typing import Any
 from lm_eval.api.model import LM
 from tqdm import tqdm
 
-from lm_eval_safe import __version__
+from lm_eval_safe import MODEL_NAME, __version__
 from lm_eval_safe.decoder.loop import SafeDecoder
 from lm_eval_safe.decoder.stats import GenerationStats
 from lm_eval_safe.decoder.tracing import TraceWriter, new_stamp, repeat_indices
@@ -27,6 +27,7 @@ from lm_eval_safe.harness.use_cache import (
     earlier_namespace,
     use_cache_table,
 )
+from lm_eval_safe.lm_eval_compat import first_generation
 from lm_eval_safe.members.member import Member, chat_context
 from lm_eval_safe.members.placement import (
     LM_EVAL_CLI_DEFAULT_DEVICE,
@@ -337,3 +338,11 @@ def summed(parts: Sequence[GenerationStats]) -> GenerationStats:
     for part in parts:
         total.add(part)
     return total
+
+
+if first_generation():
+    # lm-eval 0.4.9's registry holds classes: where this module was imported before lm-eval, the
+    # start-up hook found it half-imported and left the registration to it
+    from lm_eval.api import registry as _registry
+
+    _registry.MODEL_REGISTRY.setdefault(MODEL_NAME, SafeEnsembleLM)
