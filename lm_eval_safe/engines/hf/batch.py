@@ -77,13 +77,20 @@ class MemberBatch(CacheRows, DraftingBatch):
         parts: list[tuple[torch.Tensor, list[Want]]] = []
         owners: list[list[int]] = []  # per part: the row of each of its positions
         batched: dict[int, Forward] = {}
+        prefilled: list[tuple[int, Any, int]] = []  # (row, its prompt's cache, length)
         for row, call in calls.items():
             self.truncate(row, call.keep)
             if call.keep == 0:
-                parts.append((self._prefill_alone(row, call), self._wants(call)))
+                logits, cache = self._prefill_alone(call)
+                prefilled.append((row, cache, len(call.ids)))
+                parts.append((logits, self._wants(call)))
                 owners.append([row] * len(call.want))
             elif call.ids:
                 batched[row] = call
+        # the longest prompt first: the batch's cache is made as wide as it once, where a longer
+        # prompt spliced after a shorter one re-allocated every layer to widen it on the left
+        for row, cache, length in sorted(prefilled, key=lambda p: -p[2]):
+            self._splice(row, cache, length)
         if not self._trimmed:
             self._trim()
         if batched:
@@ -106,10 +113,11 @@ class MemberBatch(CacheRows, DraftingBatch):
             Want(top, (call.ids[i + 1],) if i + 1 < len(call.ids) else ()) for i in call.want
         ]
 
-    def _prefill_alone(self, row: int, call: Forward) -> torch.Tensor:
+    def _prefill_alone(self, call: Forward) -> tuple[torch.Tensor, Any]:
         """A prompt's forward, starting from the longest prefix of it that the member's prefix
         store holds (few-shot exemplars shared with earlier requests); its blocks then go back
-        to the store for later requests."""
+        to the store for later requests. The logits wanted, and the prompt's cache to splice
+        into its row."""
         store = self.member.engine.prefix_store
         if store is None:
             cache, reused = kv_cache.new_cache(), 0
@@ -120,8 +128,7 @@ class MemberBatch(CacheRows, DraftingBatch):
         rows = forward_logits(self.member, call.ids[reused:], cache, want)
         if store is not None:
             store.add(call.ids, cache)
-        self._splice(row, cache, len(call.ids))
-        return rows
+        return rows, cache
 
     def _forward(self, calls: dict[int, Forward], fed: torch.Tensor | None = None) -> torch.Tensor:
         """One batched forward of the calling rows; the logits at every wanted position, on the

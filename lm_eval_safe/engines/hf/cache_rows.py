@@ -115,16 +115,24 @@ class CacheRows:
         self._trimmed = True
 
     def _maybe_compact(self) -> None:
+        """Compact the generated tail once its holes exceed :data:`_COMPACT_SLACK` slots: from
+        the first slot where any row has a hole after its first token on, each row's tokens move
+        right-aligned to the widest row's count (the prompts before it stay where they are)."""
         longest = max(self.lengths, default=0)
+        # the tail's holes are at most slots - longest (the longest row fills the tail's width)
         if self.cache is None or self.slots <= longest + _COMPACT_SLACK:
             return
-        # each row's live slots, in order, right-aligned to the longest row
-        order = torch.full((self.rows, longest), -1, dtype=torch.long)
-        for row in range(self.rows):
-            live = (self.positions[row] >= 0).nonzero().flatten()
-            if live.numel():
-                order[row, longest - live.numel() :] = live
-        gather = order.clamp_min(0)
-        new_positions = torch.where(order >= 0, self.positions.gather(1, gather), -1)
-        kv_cache.gather_slots(self.cache, gather)
-        self.positions = new_positions
+        live = self.positions >= 0
+        holes = live.cummax(dim=1).values & ~live  # holes after a row's first token
+        begin = int(torch.where(holes.any(dim=1), holes.int().argmax(dim=1), self.slots).min())
+        tail = [(live[row, begin:]).nonzero().flatten() + begin for row in range(self.rows)]
+        width = max(len(slots) for slots in tail)
+        if self.slots - begin - width <= _COMPACT_SLACK:
+            return
+        positions = torch.full((self.rows, begin + width), -1, dtype=torch.long)
+        positions[:, :begin] = self.positions[:, :begin]
+        for row, slots in enumerate(tail):
+            if slots.numel():
+                positions[row, begin + width - slots.numel() :] = self.positions[row, slots]
+        kv_cache.compact_slots(self.cache, begin, [slots.tolist() for slots in tail], width)
+        self.positions = positions

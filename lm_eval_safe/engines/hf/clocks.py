@@ -134,7 +134,7 @@ class ForwardClock:
 #: spliced in, cropped, compacted, selected for scoring. Device work (on a GPU they run
 #: asynchronously, with no host wait); timed apart so the Python share of the host time shows.
 CACHE_MOVES = (
-    (kv_cache, ("with_slots", "add_rows", "keep_rows", "widen_left", "gather_slots", "select_rows", "write_row", "crop", "new_cache")),
+    (kv_cache, ("with_slots", "add_rows", "keep_rows", "widen_left", "compact_slots", "select_rows", "write_row", "crop", "new_cache")),
     (packed_slots, ("concat_slots", "pack_row_slots")),
 )
 

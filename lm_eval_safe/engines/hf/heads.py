@@ -116,7 +116,7 @@ def cut_heads(parts: Sequence[tuple[torch.Tensor, Sequence[Want]]], exact_tokens
                 tokens.append(indices)
             else:
                 values, indices = largest(logits)
-                cut.packs.append(torch.stack([values.double(), indices.double()], dim=1).flatten())
+                cut.packs.append(_pack([values[:, None], indices[:, None]], logits.shape[-1]))
                 cut.shapes.append((len(wants), -1, 0))
             cut.sources.append(None)
             continue
@@ -127,21 +127,21 @@ def cut_heads(parts: Sequence[tuple[torch.Tensor, Sequence[Want]]], exact_tokens
         values, indices = largest(logprobs)
         tokens.append(indices)
         columns = [
-            values[:, None].double(),
-            indices[:, None].double(),
-            values.exp()[:, None].double(),  # float32, as a full row's row.max().exp()
+            values[:, None],
+            indices[:, None],
+            values.exp()[:, None],  # float32, as a full row's row.max().exp()
         ]
         if top > 1:
             head = logprobs.topk(top, dim=-1)
-            columns += [head.values.double(), head.indices.double()]
+            columns += [head.values, head.indices]
         if named:
             index = torch.tensor(
                 [list(w.named) + [0] * (named - len(w.named)) for w in wants],
                 dtype=torch.long,
                 device=logprobs.device,
             )
-            columns.append(logprobs.gather(1, index).double())
-        cut.packs.append(torch.cat(columns, dim=1).flatten())
+            columns.append(logprobs.gather(1, index))
+        cut.packs.append(_pack(columns, logprobs.shape[-1]))
         cut.shapes.append((len(wants), top if top > 1 else 0, named))
         full = [i for i, w in enumerate(wants) if w.full]
         if full:
@@ -149,6 +149,23 @@ def cut_heads(parts: Sequence[tuple[torch.Tensor, Sequence[Want]]], exact_tokens
     if exact_tokens:
         cut.tokens = torch.cat(tokens) if tokens else None
     return cut
+
+
+#: ids below this are exact in float32 (its 24-bit significand): a head's ids travel with its
+#: float32 log-probs in one float32 pack, where casting every column to float64 first cost a
+#: kernel per column
+_FLOAT32_EXACT_IDS = 1 << 24
+
+
+def _pack(columns: list[torch.Tensor], width: int) -> torch.Tensor:
+    """A part's head columns (log-probs, and ids as int64, over a ``width``-id vocabulary) as
+    one flat tensor in the log-probs' own dtype, so one ``torch.cat`` converts the ids and packs
+    them: every value reads back as the float the row holds and every id exactly (float64 where
+    an id could exceed float32's exact integers, or the rows are in a narrower dtype)."""
+    dtype = columns[0].dtype
+    if not (dtype == torch.float64 or (dtype == torch.float32 and width <= _FLOAT32_EXACT_IDS)):
+        columns = [c.double() for c in columns]
+    return torch.cat(columns, dim=1).flatten()
 
 
 def read_heads(
@@ -233,7 +250,7 @@ def wider_heads(heads: Sequence[TopLogprobs], top: int) -> list[TopLogprobs]:
     stacked = torch.stack([h.rows[h.index] for h in handles])
     k = min(top, stacked.shape[-1])
     best = stacked.topk(k, dim=-1)
-    cells = torch.cat([best.values.double(), best.indices.double()], dim=1).tolist()
+    cells = _pack([best.values, best.indices], stacked.shape[-1]).view(len(heads), 2 * k).tolist()
     return [widened(head, row[:k], row[k:]) for head, row in zip(heads, cells, strict=True)]
 
 

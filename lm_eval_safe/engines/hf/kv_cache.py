@@ -50,6 +50,34 @@ class UnsupportedModelError(UserError, NotImplementedError):
     """A model or cache this module cannot drive faithfully; the message says what to do."""
 
 
+class Moves:
+    """The copies and zero fills of one cache operation over every layer, run as one
+    ``torch._foreach_*`` call each: a batch's cache moves once per operation, not once per
+    layer (a 30-layer member's row splice was 60 launches on a GPU and 60 dispatches from
+    Python on any device)."""
+
+    def __init__(self) -> None:
+        self.targets: list[torch.Tensor] = []
+        self.sources: list[torch.Tensor] = []
+        self.zeros: list[torch.Tensor] = []
+
+    def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        if target.numel():
+            self.targets.append(target)
+            self.sources.append(source)
+
+    def zero(self, target: torch.Tensor) -> None:
+        if target.numel():
+            self.zeros.append(target)
+
+    def run(self) -> None:
+        if self.targets:
+            torch._foreach_copy_(self.targets, self.sources)
+        if self.zeros:
+            torch._foreach_zero_(self.zeros)
+        self.targets, self.sources, self.zeros = [], [], []
+
+
 class SlotLayer(DynamicLayer):
     """A ``DynamicLayer`` whose keys and values live in buffers ``[row capacity, heads, slot
     capacity, dim]`` with spare rows and slots after the ones held: a forward's new slots, a
@@ -68,16 +96,21 @@ class SlotLayer(DynamicLayer):
 
     @classmethod
     def holding(
-        cls, keys: torch.Tensor, values: torch.Tensor, spare: int, rows: int | None = None
+        cls, keys: torch.Tensor, values: torch.Tensor, spare: int, rows: int | None = None, moves: Moves | None = None
     ) -> SlotLayer:
         """A layer holding copies of ``keys``/``values`` with ``spare`` slots after them;
-        ``rows``: that many rows, each a copy of the states' single row."""
+        ``rows``: that many rows, each a copy of the states' single row. ``moves``: the copies
+        join those of the other layers (run by the caller), else they run at once."""
         if rows is not None:
             keys, values = keys.expand(rows, -1, -1, -1), values.expand(rows, -1, -1, -1)
         layer = cls()
         layer.device = keys.device
         layer.is_initialized = True
-        layer._buffers = [_with_spare(keys, spare), _with_spare(values, spare)]
+        own = moves is None
+        moves = Moves() if moves is None else moves
+        layer._buffers = [_with_spare(keys, spare, moves), _with_spare(values, spare, moves)]
+        if own:
+            moves.run()
         layer._extent = [(keys.shape[0], keys.shape[2]), (values.shape[0], values.shape[2])]
         layer._peak_rows = keys.shape[0]
         return layer
@@ -102,13 +135,16 @@ class SlotLayer(DynamicLayer):
             raise RuntimeError("a SlotLayer's keys and values hold different extents")
         return [keys, values], *self._extent[0]
 
-    def _reallocate(self, rows: int, slots: int, row_capacity: int, slot_capacity: int, offset: int = 0) -> None:
-        """New buffers; the ``rows x slots`` held are copied to slot ``offset`` on."""
+    def _reallocate(
+        self, rows: int, slots: int, row_capacity: int, slot_capacity: int, moves: Moves, offset: int = 0
+    ) -> None:
+        """New buffers; the ``rows x slots`` held are copied to slot ``offset`` on (by
+        ``moves``: the old buffers live on in its sources until it runs)."""
         buffers, _, _ = self._held()
         fresh = []
         for buffer in buffers:
             out = buffer.new_empty((row_capacity, buffer.shape[1], slot_capacity, buffer.shape[3]))
-            out[:rows, :, offset : offset + slots] = buffer[:rows, :, :slots]
+            moves.copy(out[:rows, :, offset : offset + slots], buffer[:rows, :, :slots])
             fresh.append(out)
         self._buffers = fresh
 
@@ -117,7 +153,9 @@ class SlotLayer(DynamicLayer):
         buffers, rows, held = self._held()
         if held + width > buffers[0].shape[2]:
             spare = max(width, 64, held // 4)
-            self._reallocate(rows, held, buffers[0].shape[0], held + width + spare)
+            moves = Moves()
+            self._reallocate(rows, held, buffers[0].shape[0], held + width + spare, moves)
+            moves.run()
         self._extent = [(rows, held + width)] * 2
         keys, values = self._buffers
         assert keys is not None and values is not None
@@ -126,29 +164,34 @@ class SlotLayer(DynamicLayer):
     def crop_to(self, length: int) -> None:
         self._extent = [(rows, min(held, length)) for rows, held in self._extent]
 
-    def add_rows(self, count: int) -> None:
+    def add_rows(self, count: int, moves: Moves) -> None:
         """``count`` rows of zeros (holes: finite values the masks exclude) after the others.
         Buffers that must grow take the most rows ever held at once, so the requests that refill
         a batch after :meth:`keep_rows` shrank it cost one re-allocation, not one each."""
         buffers, rows, held = self._held()
         self._peak_rows = max(self._peak_rows, rows + count)
         if rows + count > buffers[0].shape[0]:
-            self._reallocate(rows, held, self._peak_rows, buffers[0].shape[2])
+            self._reallocate(rows, held, self._peak_rows, buffers[0].shape[2], moves)
         for buffer in self._buffers:
             assert buffer is not None
-            buffer[rows : rows + count, :, :held].zero_()
+            moves.zero(buffer[rows : rows + count, :, :held])
         self._extent = [(rows + count, held)] * 2
 
-    def keep_rows(self, kept: Sequence[int]) -> None:
+    def keep_rows(self, kept: Sequence[int], moves: Moves) -> None:
         """Keep the listed rows (ascending), in that order: the rows after the first gap move
         up, the ones before it stay where they are. Once half the row capacity or less is kept
         (a run's last requests, with none left to admit), the buffers shrink to the rows kept,
         so finished rows' memory is given back as it was when rows were copied out."""
         buffers, _, held = self._held()
         if len(kept) <= buffers[0].shape[0] // 2:
-            index = torch.tensor(kept, dtype=torch.long, device=buffers[0].device)
-            spare = buffers[0].shape[2] - held
-            self._buffers = [_with_spare(b[:, :, :held].index_select(0, index), spare) for b in buffers]
+            # new buffers, each kept row copied into its place (the old buffers are only read)
+            fresh = []
+            for buffer in buffers:
+                out = buffer.new_empty((len(kept), buffer.shape[1], buffer.shape[2], buffer.shape[3]))
+                for target, row in enumerate(kept):
+                    moves.copy(out[target, :, :held], buffer[row, :, :held])
+                fresh.append(out)
+            self._buffers = fresh
             self._extent = [(len(kept), held)] * 2
             return
         moved = next((i for i, row in enumerate(kept) if row != i), len(kept))
@@ -156,28 +199,40 @@ class SlotLayer(DynamicLayer):
             index = torch.tensor(kept[moved:], dtype=torch.long, device=buffers[0].device)
             for buffer in buffers:
                 part = buffer[:, :, :held].index_select(0, index)  # a copy: rows overlap
-                buffer[moved : len(kept), :, :held] = part
+                moves.copy(buffer[moved : len(kept), :, :held], part)
         self._extent = [(len(kept), held)] * 2
 
-    def widen_left(self, grow: int) -> None:
+    def widen_left(self, grow: int, moves: Moves) -> None:
         """``grow`` slots of zeros before every row's slots."""
         buffers, rows, held = self._held()
         spare = buffers[0].shape[2] - held
-        self._reallocate(rows, held, buffers[0].shape[0], grow + held + spare, offset=grow)
+        self._reallocate(rows, held, buffers[0].shape[0], grow + held + spare, moves, offset=grow)
         for buffer in self._buffers:
             assert buffer is not None
-            buffer[:rows, :, :grow].zero_()
+            moves.zero(buffer[:rows, :, :grow])
         self._extent = [(rows, grow + held)] * 2
 
-    def gather_slots(self, index: torch.Tensor) -> None:
-        """Row ``r``'s slot ``j`` becomes its slot ``index[r, j]`` (a compaction)."""
+    def compact_slots(
+        self, begin: int, runs: Sequence[Sequence[tuple[int, int, int]]], width: int, moves: Moves
+    ) -> Moves:
+        """Each row's slots from ``begin`` on become ``width`` slots: its runs ``(source slot,
+        target slot counted from begin, length)`` copied out, zeros in the rest. The copies go to a scratch tensor
+        first (``moves``, run by the caller) and come back by the returned moves, as a run may
+        move right over slots another run still has to read."""
         buffers, rows, held = self._held()
-        width = index.shape[1]
+        back = Moves()
         for buffer in buffers:
-            expanded = index.to(buffer.device)[:, None, :, None].expand(-1, buffer.shape[1], -1, buffer.shape[3])
-            part = buffer[:rows, :, :held].gather(2, expanded)
-            buffer[:rows, :, :width] = part
-        self._extent = [(rows, width)] * 2
+            scratch = buffer.new_empty((rows, buffer.shape[1], width, buffer.shape[3]))
+            for row, row_runs in enumerate(runs):
+                filled = 0
+                for source, target, length in row_runs:
+                    moves.zero(scratch[row, :, filled:target])
+                    moves.copy(scratch[row, :, target : target + length], buffer[row, :, source : source + length])
+                    filled = target + length
+                moves.zero(scratch[row, :, filled:width])
+            back.copy(buffer[:rows, :, begin : begin + width], scratch)
+        self._extent = [(rows, begin + width)] * 2
+        return back
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -230,9 +285,9 @@ class RowsLayer(DynamicLayer):
         return self._gather(0), self._gather(1)
 
 
-def _with_spare(tensor: torch.Tensor, spare: int) -> torch.Tensor:
+def _with_spare(tensor: torch.Tensor, spare: int, moves: Moves) -> torch.Tensor:
     out = tensor.new_empty((*tensor.shape[:2], tensor.shape[2] + spare, tensor.shape[3]))
-    out[:, :, : tensor.shape[2]] = tensor
+    moves.copy(out[:, :, : tensor.shape[2]], tensor)
     return out
 
 
@@ -296,9 +351,11 @@ def with_slots(cache: Any, spare: int = 0, rows: int | None = None) -> Any:
     rows, each a copy of the cache's single row (a batch's first prompt, which its other rows'
     holes then copy until their own prompts are written over them)."""
     layers = _layers(cache)
+    moves = Moves()
     for i, layer in enumerate(layers):
         if type(layer) is DynamicLayer and layer.is_initialized:
-            layers[i] = SlotLayer.holding(layer.keys, layer.values, spare, rows)
+            layers[i] = SlotLayer.holding(layer.keys, layer.values, spare, rows, moves)
+    moves.run()
     return cache
 
 
@@ -314,29 +371,59 @@ def _slot_layers(cache: Any) -> list[SlotLayer]:
 def add_rows(cache: Any, count: int) -> None:
     """``count`` rows of holes (zeros) after the cache's rows, in place while the buffers have
     room (a batch keeps the rows its size allows)."""
+    moves = Moves()
     for layer in _slot_layers(cache):
-        layer.add_rows(count)
+        layer.add_rows(count, moves)
+    moves.run()
 
 
 @torch.inference_mode()  # the buffers are inference tensors: written in place
 def keep_rows(cache: Any, rows: Sequence[int]) -> None:
     """Keep the listed rows (ascending) in that order, moving only the rows after a gap."""
+    moves = Moves()
     for layer in _slot_layers(cache):
-        layer.keep_rows(rows)
+        layer.keep_rows(rows, moves)
+    moves.run()
 
 
 @torch.inference_mode()  # the buffers are inference tensors: written in place
 def widen_left(cache: Any, grow: int) -> None:
     """``grow`` slots of holes (zeros) before every row's slots (a longer prompt arrived)."""
+    moves = Moves()
     for layer in _slot_layers(cache):
-        layer.widen_left(grow)
+        layer.widen_left(grow, moves)
+    moves.run()
 
 
 @torch.inference_mode()  # the buffers are inference tensors: written in place
-def gather_slots(cache: Any, index: torch.Tensor) -> None:
-    """Row ``r``'s slot ``j`` becomes its slot ``index[r, j]``, in every layer (compaction)."""
-    for layer in _slot_layers(cache):
-        layer.gather_slots(index)
+def compact_slots(cache: Any, begin: int, live: Sequence[Sequence[int]], width: int) -> None:
+    """Row ``r`` keeps, after slot ``begin``, its slots ``live[r]`` (ascending, ``begin`` or
+    later), in order, right-aligned in ``width`` slots; the slots before them become holes
+    (zeros) and the slots before ``begin`` stay as they are. A compaction of the generated
+    tail, where a rollback's holes lie: the rows' prompts are never copied, and the runs of
+    every row and layer move in two ``torch._foreach_copy_`` (out and back), where a gather over
+    every slot walked the index element by element, layer by layer."""
+    runs = [_runs(slots, width - len(slots)) for slots in live]
+    out = Moves()
+    backs = [layer.compact_slots(begin, runs, width, out) for layer in _slot_layers(cache)]
+    out.run()
+    for back in backs:
+        out.targets += back.targets
+        out.sources += back.sources
+    out.run()
+
+
+def _runs(slots: Sequence[int], target: int) -> list[tuple[int, int, int]]:
+    """``(source, target, length)`` runs of consecutive ``slots`` written from ``target`` on."""
+    runs: list[tuple[int, int, int]] = []
+    for slot in slots:
+        if runs and runs[-1][0] + runs[-1][2] == slot:
+            source, start, length = runs[-1]
+            runs[-1] = (source, start, length + 1)
+        else:
+            runs.append((slot, target, 1))
+        target += 1
+    return runs
 
 
 def select_rows(cache: Any, rows: torch.Tensor | list[int]) -> Any:
@@ -368,13 +455,15 @@ def rows_view(cache: Any, rows: list[int]) -> Any:
 
 def write_row(cache: Any, row: int, start: int, source: Any) -> None:
     """Copy the single row of ``source`` into ``row`` of ``cache`` from slot ``start`` on."""
+    moves = Moves()
     for mine, theirs in zip(layer_states(cache), layer_states(source), strict=True):
         if (mine is None) != (theirs is None):
             raise UnsupportedModelError("two caches of one model disagree on which layers hold states")
         if mine is not None and theirs is not None:
             width = theirs[0].shape[2]
-            mine[0][row, :, start : start + width] = theirs[0][0]
-            mine[1][row, :, start : start + width] = theirs[1][0]
+            moves.copy(mine[0][row, :, start : start + width], theirs[0][0])
+            moves.copy(mine[1][row, :, start : start + width], theirs[1][0])
+    moves.run()
 
 
 def stack_left_padded(caches: Sequence[Any], width: int) -> Any:

@@ -271,7 +271,7 @@ def test_slot_layers_give_the_cat_caches_logits_bitwise(
 
 
 def test_slot_layer_row_and_slot_moves_equal_the_tensor_operations() -> None:
-    """Rows added and dropped, slots widened on the left, gathered, cropped and appended, in
+    """Rows added and dropped, slots widened on the left, compacted, cropped and appended, in
     place in a SlotLayer's buffers (growing past their spare rows and slots): its states
     equal the same operations done with torch.cat, index_select and gather on plain tensors,
     for keys and values alike."""
@@ -293,7 +293,7 @@ def test_slot_layer_row_and_slot_moves_equal_the_tensor_operations() -> None:
     check("with_slots")
     for step in range(40):
         rows, slots = want[0].shape[0], want[0].shape[2]
-        move = rng.choice(["add", "keep", "widen", "gather", "crop", "append"])
+        move = rng.choice(["add", "keep", "widen", "compact", "crop", "append"])
         if move == "add" or rows == 1 and move == "keep":
             count = rng.randint(1, 3)
             kv_cache.add_rows(cache, count)
@@ -306,11 +306,19 @@ def test_slot_layer_row_and_slot_moves_equal_the_tensor_operations() -> None:
             grow = rng.randint(1, 5)
             kv_cache.widen_left(cache, grow)
             want = [torch.cat([t.new_zeros((*t.shape[:2], grow, t.shape[3])), t], dim=2) for t in want]
-        elif move == "gather":
-            index = torch.tensor([sorted(rng.sample(range(slots), max(1, slots - 2))) for _ in range(rows)])
-            kv_cache.gather_slots(cache, index)
-            expanded = index[:, None, :, None].expand(-1, 2, -1, 3)
-            want = [t.gather(2, expanded) for t in want]
+        elif move == "compact":
+            begin = rng.randint(0, slots - 1)
+            live = [sorted(rng.sample(range(begin, slots), rng.randint(0, slots - begin))) for _ in range(rows)]
+            width = max(len(kept) for kept in live)
+            kv_cache.compact_slots(cache, begin, live, width)
+            compacted = []
+            for t in want:  # brute force: each row's live slots one by one, zeros before them
+                out = torch.cat([t[:, :, :begin], t.new_zeros((rows, t.shape[1], width, t.shape[3]))], dim=2)
+                for row, kept in enumerate(live):
+                    for i, slot in enumerate(kept):
+                        out[row, :, begin + width - len(kept) + i] = t[row, :, slot]
+                compacted.append(out)
+            want = compacted
         elif move == "crop":
             keep = rng.randint(1, slots)
             kv_cache.crop(cache, keep)
