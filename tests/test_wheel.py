@@ -86,7 +86,7 @@ def test_the_wheel_prints_the_papers_commands_outside_the_clone(
         )  # fmt: skip
         root, *module_files = where.stdout.split()
         assert root == "None", "an installed wheel has no repository checkout"
-        assert len(module_files) == 1 + 10, "the leaderboard and the ten benchmarks"
+        assert len(module_files) == 1 + 11, "the leaderboard and the eleven benchmarks"
         for module_file in module_files:
             assert Path(module_file).is_relative_to(installed), f"the wheel's code runs, not {module_file}"
         assert (installed / "lm_eval_safe" / "bench" / "authors_runner.py").is_file(), "bench conformance's runner"

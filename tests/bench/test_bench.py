@@ -183,3 +183,20 @@ def test_an_engines_instruments_are_checked_against_the_protocol(monkeypatch: py
         engines.instruments(member)
     with pytest.raises(RuntimeError, match="lack"):
         mask_eos([member])
+
+
+def test_the_host_table_states_each_configuration_against_the_drafter_at_its_batch_size() -> None:
+    """``bench host`` judges SAFE's own work by the drafter alone's in the same run: each row's
+    host time and device ops over the drafter's at the same batch size (none without it)."""
+    from lm_eval_safe.bench.commands.host import ratio_to_drafter
+
+    rows = [
+        {"configuration": "drafter", "batch_size": 1, "host_ms_per_token": 0.8, "device_ops_per_token": 10.0},
+        {"configuration": "drafter", "batch_size": 8, "host_ms_per_token": 0.5, "device_ops_per_token": 2.0},
+        {"configuration": "unite_safe", "batch_size": 8, "host_ms_per_token": 1.5, "device_ops_per_token": 5.0},
+        {"configuration": "gac_safe", "batch_size": 4, "host_ms_per_token": 1.0, "device_ops_per_token": None},
+    ]
+    assert ratio_to_drafter(rows[2], rows, "host_ms_per_token") == "3.00x"
+    assert ratio_to_drafter(rows[2], rows, "device_ops_per_token") == "2.50x"
+    assert ratio_to_drafter(rows[1], rows, "host_ms_per_token") == "1.00x"
+    assert ratio_to_drafter(rows[3], rows, "host_ms_per_token") == "-"  # no drafter at batch 4

@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "memory": ("memory", "memory over many requests: RSS and live tensors sampled mid-run"),
     "llama-cpp": ("llamacpp", "the llama.cpp engine vs. llama-cpp-python's own generate"),
     "conformance": ("conformance", "the SAFE authors' code vs. this project on the same prompts"),
+    "threads": ("threads", "the main job under each OpenMP thread setting, alone and two at once"),
 }
 #: what every benchmark runs under unless the caller's environment says otherwise: no network
 #: (the members and data are local) and no tokenizer threads beside torch's

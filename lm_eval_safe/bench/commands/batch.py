@@ -11,6 +11,9 @@ Why it measures what it does
 * Batched texts must equal ``batch_size=1``'s: the script counts identical answers and, for
   any that differ, prints where they first diverge (evidence for a float32 kernel difference,
   which must then be rare).
+* The ensemble's gain (batch ``N`` over batch 1) is printed beside transformers ``generate``'s
+  own gain on each member alone, on the same prompts in the same run (``--no-generate`` skips
+  it): batching is healthy when the ensemble keeps the members' gain, whatever the machine.
 * ``--dp``: the same prompts at ``--dp-batch-size`` in one process with all threads, then
   through ``torchrun --nproc_per_node 2`` with half the threads each (documents split by
   rank, as lm-eval shards them). Wall time is the slowest rank's decoding time.
@@ -28,6 +31,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +42,7 @@ from lm_eval_safe.bench.output import write_json_report
 from lm_eval_safe.bench.prompts import load_prompts
 from lm_eval_safe.bench.timing import timed
 from lm_eval_safe.cli_options import add_data_dir, add_members, local_data_dir, split_list
+from lm_eval_safe.engines import instruments
 from lm_eval_safe.harness.model import SafeEnsembleLM
 
 
@@ -60,6 +65,38 @@ def timed_run(lm: SafeEnsembleLM, jobs: list[Any], batch_size: int) -> dict[str,
         "ensemble_rate_percent": 100.0 * ensembles / tokens if tokens else 0.0,
         "texts": [text for text, _ in results],
     }
+
+
+def member_generate_runs(
+    lm: SafeEnsembleLM, jobs: list[Any], batch_sizes: list[int]
+) -> dict[str, list[dict[str, Any]]]:
+    """transformers ``generate`` of each member alone on the same jobs (its own chat template and
+    prompt ids, greedy, stopping at its EOS as a user runs it), ``batch_size`` prompts at a time
+    (left-padded), at each batch size: the batching gain a member gets on its own, the yardstick
+    for the ensemble's."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for member in lm.members:
+        prompts = [lm.decoder.prompt_ids(member, job[0], job[2]) for job in jobs]
+        pad = member.tokenizer.pad_token_id
+        pad = member.eos_id if pad is None else pad
+        tools = instruments(member)
+        tools.generate(member, prompts[:2], 4, pad)  # warm-up
+        runs[member.name] = []
+        for bs in batch_sizes:
+            chunks = [prompts[i : i + bs] for i in range(0, len(prompts), bs)]
+            _, seconds = timed(
+                partial(_generate_chunks, tools.generate, member, chunks, jobs[0][2], pad), [member]
+            )
+            runs[member.name].append({"batch_size": bs, "seconds": seconds})
+            print(f"{member.name} generate batch_size={bs:<3d} {seconds:8.1f}s", flush=True)
+    return runs
+
+
+def _generate_chunks(
+    generate: Any, member: Any, chunks: list[list[list[int]]], new_tokens: int, pad: int
+) -> None:
+    for chunk in chunks:
+        generate(member, chunk, new_tokens, pad)
 
 
 def first_divergence(a: str, b: str) -> int:
@@ -113,6 +150,21 @@ def bench_batches(args: argparse.Namespace) -> dict[str, Any]:
         report["runs"].append(
             {k: v for k, v in run.items() if k != "texts"}
             | {"throughput_ratio": ratio, "identical": same, "diverging": diverge}
+        )
+    if args.no_generate:
+        return report
+    # the members' own batching gain on the same prompts, same run: the ensemble's gain over it
+    generated = member_generate_runs(lm, jobs, args.batch_sizes)
+    report["generate"] = generated
+    for i, run in enumerate(report["runs"][1:], start=1):
+        gains = {name: rows[0]["seconds"] / rows[i]["seconds"] for name, rows in generated.items()}
+        mean_gain = sum(gains.values()) / len(gains)
+        run["generate_gains"] = gains
+        run["gain_over_members"] = run["throughput_ratio"] / mean_gain
+        each = ", ".join(f"{name} x{gain:.2f}" for name, gain in gains.items())
+        print(
+            f"batch_size={run['batch_size']}: ensemble gain x{run['throughput_ratio']:.2f}; generate's gain {each}; "
+            f"the ensemble's gain is {run['gain_over_members']:.2f} of the members' mean"
         )
     return report
 
@@ -179,6 +231,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     add_data_dir(p)
+    p.add_argument(
+        "--no-generate",
+        action="store_true",
+        help="skip transformers generate's own batching gain on each member",
+    )
     p.add_argument("--dp", action="store_true", help="also compare 2 data-parallel processes")
     p.add_argument("--dp-only", action="store_true", help="only the data-parallel comparison")
     p.add_argument("--dp-batch-size", type=int, default=1)
@@ -212,4 +269,3 @@ def run(args: argparse.Namespace) -> int:
     if args.json_out:
         write_json_report(args.json_out, report)
     return 0
-

@@ -115,12 +115,22 @@ def host_cell(row: dict) -> str:
     return f"{fmt(row['host_ms_per_token'])} ({fmt(min(repeats))}-{fmt(max(repeats))})"
 
 
+def ratio_to_drafter(row: dict, rows: list[dict], key: str) -> str:
+    """``row[key]`` over the drafter alone's at the same batch size, in the same run (the
+    figure SAFE's own work is judged by), or "-" without that row or that count."""
+    base = next((r for r in rows if r["configuration"] == "drafter" and r["batch_size"] == row["batch_size"]), None)
+    if base is None or not base.get(key) or row.get(key) is None:
+        return "-"
+    return f"{row[key] / base[key]:.2f}x"
+
+
 def table(rows: list[dict]) -> str:
     lines = [
         "| configuration | batch | tokens | wall s | forwards s | KV moves s | heads s | host ms/token "
-        "| less KV moves | **less KV moves and heads** | device ops/token | host syncs/token "
+        "| **host vs drafter** | less KV moves | **less KV moves and heads** | device ops/token "
+        "| **device ops vs drafter** | host syncs/token "
         "| host syncs per forward (per engine call) | syncs/token in forwards |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in rows:
         per_call = ", ".join(
@@ -130,8 +140,10 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['configuration']} | {r['batch_size']} | {r['tokens']} | {fmt(r['wall_s'])} | "
             f"{fmt(r['forward_s'])} | {fmt(r['cache_move_s'])} | {fmt(r['heads_s'])} | {host_cell(r)} | "
+            f"{ratio_to_drafter(r, rows, 'host_ms_per_token')} | "
             f"{fmt(r['host_ms_per_token_less_cache_moves'])} | {fmt(r['host_ms_per_token_less_device_work'])} | "
-            f"{fmt(r['device_ops_per_token'])} | {fmt(r['host_syncs_per_token'])} | {per_call} | "
+            f"{fmt(r['device_ops_per_token'])} | {ratio_to_drafter(r, rows, 'device_ops_per_token')} | "
+            f"{fmt(r['host_syncs_per_token'])} | {per_call} | "
             f"{fmt(r['forward_syncs_per_token'])} |"
         )
     return "\n".join(lines)

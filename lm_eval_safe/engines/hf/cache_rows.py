@@ -87,8 +87,8 @@ class CacheRows:
         """Put a lone sequence's cache into ``row``'s last slots (right-aligned), widening the
         batch's cache on the left when the sequence is longer than it."""
         self.lengths[row] = length
-        if self.cache is None:  # the first prompt: every other row holds a copy, as holes
-            self.cache = kv_cache.with_slots(cache, _SPARE_SLOTS, rows=self.rows)
+        if self.cache is None:  # the first prompt: the other rows are holes until their own come
+            self.cache = kv_cache.with_slots(cache, _SPARE_SLOTS, rows=self.rows, row=row)
             self.positions = torch.full((self.rows, length), -1, dtype=torch.long)
             self.positions[row] = torch.arange(length)
             return

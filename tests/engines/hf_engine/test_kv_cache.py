@@ -361,3 +361,18 @@ def test_slot_layer_gives_rows_back_and_refills_in_one_reallocation() -> None:
     assert not held_keys[3:].any()
     kv_cache.keep_rows(cache, [0, 1, 2, 3, 4])  # more than half kept: nothing moves
     assert buffer_bytes() == full
+
+
+def test_a_batchs_first_prompt_fills_its_own_row_and_leaves_holes_of_zeros() -> None:
+    """A batch's cache is made from its first prompt: that row holds the states, every other row
+    zeros (finite holes the masks exclude), each layer with the spare slots asked for."""
+    gen = torch.Generator().manual_seed(3)
+    layers = [(torch.randn(1, 2, 5, 3, generator=gen), torch.randn(1, 2, 5, 3, generator=gen)) for _ in range(3)]
+    cache = kv_cache.new_cache(layers)
+    kv_cache.with_slots(cache, spare=4, rows=4, row=2)
+    for (keys, values), (got_keys, got_values) in zip(layers, kv_cache.layer_states(cache), strict=True):
+        for want, got in ((keys, got_keys), (values, got_values)):
+            assert got.shape == (4, 2, 5, 3)
+            assert torch.equal(got[2], want[0])
+            assert not got[[0, 1, 3]].any()
+            assert got.untyped_storage().nbytes() == 4 * 2 * (5 + 4) * 3 * got.element_size()
