@@ -38,23 +38,38 @@ class PackedSlots:
         ]
 
 
+class RowPacker:
+    """Packs slots of a cache's rows (:class:`PackedSlots`), its layers grouped once: a prompt's
+    blocks are packed one after another, and the groups and places depend on the layers'
+    devices, dtypes and shapes only, which the blocks share."""
+
+    def __init__(self, cache: Any) -> None:
+        self.states = layer_states(cache)
+        kinds: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        places: list[tuple[tuple[int, int], tuple[int, int]] | None] = []
+        for states in self.states:
+            if states is None:
+                places.append(None)
+                continue
+            place = []
+            for tensor in states:
+                kind = (tensor.device, tensor.dtype, tensor.shape[1], tensor.shape[3])
+                group = kinds.setdefault(kind, [])
+                place.append((list(kinds).index(kind), len(group)))
+                group.append(tensor)
+            places.append((place[0], place[1]))
+        self.groups = list(kinds.values())
+        self.places = tuple(places)
+
+    def pack(self, row: int, begin: int, end: int) -> PackedSlots:
+        """Copies of slots ``begin:end`` of ``row``, every layer (kept while the cache changes)."""
+        packs = tuple(torch.stack([t[row : row + 1, :, begin:end] for t in group]) for group in self.groups)
+        return PackedSlots(packs, self.places)
+
+
 def pack_row_slots(cache: Any, row: int, begin: int, end: int) -> PackedSlots:
     """Copies of slots ``begin:end`` of one row, every layer (kept while the cache changes)."""
-    groups: dict[tuple[Any, ...], list[torch.Tensor]] = {}
-    places: list[tuple[tuple[int, int], tuple[int, int]] | None] = []
-    for states in layer_states(cache):
-        if states is None:
-            places.append(None)
-            continue
-        place = []
-        for tensor in states:
-            part = tensor[row : row + 1, :, begin:end]
-            kind = (part.device, part.dtype, tuple(part.shape))
-            group = groups.setdefault(kind, [])
-            place.append((list(groups).index(kind), len(group)))
-            group.append(part)
-        places.append((place[0], place[1]))
-    return PackedSlots(tuple(torch.stack(group) for group in groups.values()), tuple(places))
+    return RowPacker(cache).pack(row, begin, end)
 
 
 def concat_slots(chunks: Sequence[PackedSlots]) -> list[LayerStates]:

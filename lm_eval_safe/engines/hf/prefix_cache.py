@@ -100,12 +100,14 @@ class PrefixStore:
             return
         parent: _Block | None = None
         chain = []
+        packer: packed_slots.RowPacker | None = None  # made for the first new block
         for start in range(0, len(ids) - self.block + 1, self.block):
             key = (parent.serial if parent else 0, tuple(ids[start : start + self.block]))
             stored = self._blocks.get(key)
             if stored is None:
                 begin = offset + start
-                states = packed_slots.pack_row_slots(cache, row, begin, begin + self.block)
+                packer = packed_slots.RowPacker(cache) if packer is None else packer
+                states = packer.pack(row, begin, begin + self.block)
                 stored = _Block(next(self._serials), parent, key[1], states)
                 self._blocks[key] = stored
                 self.bytes += states.nbytes

@@ -29,13 +29,11 @@ class Moves:
         self.zeros: list[torch.Tensor] = []
 
     def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
-        if target.numel():
-            self.targets.append(target)
-            self.sources.append(source)
+        self.targets.append(target)
+        self.sources.append(source)
 
     def zero(self, target: torch.Tensor) -> None:
-        if target.numel():
-            self.zeros.append(target)
+        self.zeros.append(target)
 
     def run(self) -> None:
         if self.targets:
