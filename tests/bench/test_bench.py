@@ -10,6 +10,7 @@ recomputes verifier positions, and the table has a row per method.
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -200,3 +201,36 @@ def test_the_host_table_states_each_configuration_against_the_drafter_at_its_bat
     assert ratio_to_drafter(rows[2], rows, "device_ops_per_token") == "2.50x"
     assert ratio_to_drafter(rows[1], rows, "host_ms_per_token") == "1.00x"
     assert ratio_to_drafter(rows[3], rows, "host_ms_per_token") == "-"  # no drafter at batch 4
+
+
+def test_the_host_profile_cuts_out_forwards_and_charges_the_innermost_frame_of_ours() -> None:
+    """A sampled stack: time inside an ``nn.Module`` call is the forwards'; the rest goes to the
+    part of the innermost frame of this package above it (torch's own frames included)."""
+    from types import SimpleNamespace
+
+    from lm_eval_safe.bench.host_profile import _charge
+
+    def frame(function: str, path: str | None, own: float, *children: SimpleNamespace) -> SimpleNamespace:
+        return SimpleNamespace(
+            function=function, file_path=path, time=own + sum(c.time for c in children), children=list(children)
+        )
+
+    site = "/venv/site-packages/"
+    tree = frame(
+        "generate_many", "/x/lm_eval_safe/decoder/loop.py", 0.001,
+        frame("run", "/x/lm_eval_safe/engines/hf/batch.py", 0.002,
+              frame("_call_impl", site + "torch/nn/modules/module.py", 0.5,
+                    frame("forward", site + "transformers/llama.py", 0.25)),
+              frame("cut_heads", "/x/lm_eval_safe/engines/hf/heads.py", 0.003,
+                    frame("log_softmax", None, 0.010))),
+        frame("keep_rows", "/x/lm_eval_safe/engines/hf/cache_rows.py", 0.004,
+              frame("_foreach_copy_", None, 0.020)),
+    )  # fmt: skip
+    seconds: defaultdict[str, float] = defaultdict(float)
+    inside = _charge(tree, "other", seconds)
+    assert inside == pytest.approx(0.75)
+    assert seconds["heads: log-softmax, argmax, top-k, read-back"] == pytest.approx(0.013)
+    assert seconds["KV moves (rows, splices, compaction, prefix store)"] == pytest.approx(0.024)
+    assert seconds["forward inputs: ids, positions, masks"] == pytest.approx(0.002)
+    assert seconds["decoder loop: text, stops, statistics"] == pytest.approx(0.001)
+    assert sum(seconds.values()) == pytest.approx(0.040)

@@ -25,6 +25,10 @@ Why it measures what it does
   device and come back in one read at its end, which is what the read counts are for; a CPU
   reads each token instead (free there), ``--drafts read-each``.
 * Greedy decoding, stop string ``Question:`` (the few-shot format), ``--max-new-tokens`` each.
+* Each configuration is stated against the drafter alone at the same batch size, same run:
+  host time and device ops per token (the two figures SAFE's own work is judged by).
+  ``--profile CONFIG:BATCH`` then samples one run (:mod:`lm_eval_safe.bench.host_profile`) and
+  says where the host time went, by part of the cycle.
 * On a GPU (``--device cuda``) every clock times the device's stream with CUDA events (the host's
   time inside an asynchronous call is its launches only), so *host ms/token* is the device's
   time outside the forwards per token: its idle time plus the few kernels between forwards,
@@ -40,17 +44,15 @@ Example (alone on the machine)::
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import os
 import platform
-import pstats
 import sys
 from pathlib import Path
 
 import torch
 
 from lm_eval_safe.bench import commands
+from lm_eval_safe.bench.host_profile import profile_run, profile_table
 from lm_eval_safe.bench.host_work import CONFIGURATIONS, count_reads, measure, median_run
 from lm_eval_safe.bench.output import fmt, write_json_report
 from lm_eval_safe.bench.prompts import load_prompts
@@ -97,7 +99,12 @@ def configure(p: argparse.ArgumentParser) -> None:
         "drafted token read back (a CPU's way); auto: the members' device decides",
     )
     p.add_argument("--no-syncs", action="store_true", help="skip the sync-counting pass")
-    p.add_argument("--profile", default=None, metavar="CONFIG:BATCH", help="cProfile one run after")
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="CONFIG:BATCH",
+        help="after the table, where one run's host time goes by part of the cycle (needs pyinstrument)",
+    )
     p.add_argument("--json", type=Path, default=None, dest="json_out")
 
 
@@ -218,12 +225,11 @@ def run(args: argparse.Namespace) -> int:
         write_json_report(args.json_out, report)
     if args.profile:
         name, batch = args.profile.split(":")
-        profiler = cProfile.Profile()
-        profiler.enable()
-        decoders[name].generate_many(jobs, int(batch))
-        profiler.disable()
-        buffer = io.StringIO()
-        pstats.Stats(profiler, stream=buffer).sort_stats("tottime").print_stats(40)
-        print(buffer.getvalue(), file=sys.stderr)
+        profiled = profile_run(decoders[name], jobs, int(batch))
+        print(f"\nwhere the host time goes: {name} at batch {batch} (pyinstrument, forwards cut out)")
+        print(profile_table(profiled))
+        if args.json_out:
+            report["profile"] = {"configuration": name, "batch_size": int(batch)} | profiled
+            write_json_report(args.json_out, report)
     return 0
 
