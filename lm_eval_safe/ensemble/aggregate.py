@@ -247,22 +247,24 @@ def member_token_for(view: View, key: bytes) -> int | None:
     return ids[0] if ids else None
 
 
-def _member_logit_for(view: View, key: bytes) -> float:
-    """A member's log-probability of a string: its own token, else its first token of the string."""
-    token_id = member_token_for(view, key)
-    if token_id is None:
-        return float("-inf")
-    return float(view.logprobs[token_id])
+def _member_logits_for(view: View, keys: list[bytes]) -> list[float]:
+    """A member's log-probability of each string: its own token, else its first token of the
+    string (-inf where it cannot spell it). A full row answers every id with one index."""
+    ids = [member_token_for(view, key) for key in keys]
+    known = [token_id for token_id in ids if token_id is not None]
+    row = view.logprobs
+    if isinstance(row, torch.Tensor):
+        found = iter(row[known].tolist() if known else [])
+    else:
+        found = iter(float(row[token_id]) for token_id in known)
+    return [float("-inf") if token_id is None else next(found) for token_id in ids]
 
 
 def _unite_table(views: list[View], top_k: int) -> tuple[list[bytes], torch.Tensor]:
     """UniTE's candidate strings (union of each member's top-k) and each member's log-softmax
     over exactly those strings (rows: members)."""
     union_keys = list(dict.fromkeys(k for view in views for k in _top_keys(view, top_k)))
-    matrix = torch.tensor(
-        [[_member_logit_for(view, key) for key in union_keys] for view in views],
-        dtype=torch.float64,
-    )
+    matrix = torch.tensor([_member_logits_for(view, union_keys) for view in views], dtype=torch.float64)
     return union_keys, torch.log_softmax(matrix, dim=-1)
 
 

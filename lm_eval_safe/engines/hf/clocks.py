@@ -136,7 +136,7 @@ class ForwardClock:
 CACHE_MOVES = (
     (kv_cache, ("with_slots", "add_rows", "keep_rows", "widen_left", "compact_slots", "select_rows", "write_row", "crop", "new_cache")),
     (packed_slots, ("concat_slots", "pack_row_slots")),
-    (packed_slots.RowPacker, ("__init__", "pack")),
+    (packed_slots.RowPacker, ("__init__", "pack", "pack_blocks")),
 )
 
 #: The heads cut from the forwards' logits (log-softmax, argmax, top-k over a vocabulary), read

@@ -140,10 +140,11 @@ def add_rows(cache: Any, count: int) -> None:
 @torch.inference_mode()  # the buffers are inference tensors: written in place
 def keep_rows(cache: Any, rows: Sequence[int]) -> None:
     """Keep the listed rows (ascending) in that order, moving only the rows after a gap."""
-    moves = Moves()
+    moves, back = Moves(), Moves()
     for layer in _slot_layers(cache):
-        layer.keep_rows(rows, moves)
+        layer.keep_rows(rows, moves, back)
     moves.run()
+    back.run()
 
 
 @torch.inference_mode()  # the buffers are inference tensors: written in place
@@ -164,13 +165,11 @@ def compact_slots(cache: Any, begin: int, live: Sequence[Sequence[int]], width: 
     every row and layer move in two ``torch._foreach_copy_`` (out and back), where a gather over
     every slot walked the index element by element, layer by layer."""
     row_runs = [runs(slots, width - len(slots)) for slots in live]
-    out = Moves()
-    backs = [layer.compact_slots(begin, row_runs, width, out) for layer in _slot_layers(cache)]
-    out.run()
-    for back in backs:
-        out.targets += back.targets
-        out.sources += back.sources
-    out.run()
+    moves, back = Moves(), Moves()
+    for layer in _slot_layers(cache):
+        layer.compact_slots(begin, row_runs, width, moves, back)
+    moves.run()
+    back.run()
 
 
 def select_rows(cache: Any, rows: torch.Tensor | list[int]) -> Any:
@@ -188,13 +187,15 @@ def select_rows(cache: Any, rows: torch.Tensor | list[int]) -> Any:
 def rows_view(cache: Any, rows: list[int]) -> Any:
     """A cache of some rows (ascending) of a batch's :func:`with_slots` cache, for one forward
     of those rows alone: its new slots go into the batch's buffers (:class:`RowsLayer`)."""
-    index = torch.tensor(rows, dtype=torch.long)
+    on_device: dict[Any, torch.Tensor] = {}  # the index once per device (device_map spreads layers)
     out = DynamicCache()
     for layer in _layers(cache):
         if not layer.is_initialized:
             out.layers.append(DynamicLayer())
         elif type(layer) is SlotLayer:
-            out.layers.append(RowsLayer(layer, index.to(layer.device)))
+            if layer.device not in on_device:
+                on_device[layer.device] = torch.tensor(rows, dtype=torch.long, device=layer.device)
+            out.layers.append(RowsLayer(layer, on_device[layer.device]))
         else:
             raise TypeError("rows_view reads a with_slots() cache only")
     return out

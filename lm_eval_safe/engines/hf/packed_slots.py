@@ -63,8 +63,18 @@ class RowPacker:
 
     def pack(self, row: int, begin: int, end: int) -> PackedSlots:
         """Copies of slots ``begin:end`` of ``row``, every layer (kept while the cache changes)."""
-        packs = tuple(torch.stack([t[row : row + 1, :, begin:end] for t in group]) for group in self.groups)
-        return PackedSlots(packs, self.places)
+        return self.pack_blocks(row, begin, end - begin, 1)[0]
+
+    def pack_blocks(self, row: int, begin: int, block: int, count: int) -> list[PackedSlots]:
+        """``count`` consecutive blocks of ``block`` slots of ``row`` from ``begin`` on, each
+        packed on its own (a block is evicted alone): every layer is cut into its blocks by one
+        ``split``, then one ``stack`` per group copies each block."""
+        end = begin + block * count
+        blocks_of = [[t[row : row + 1, :, begin:end].split(block, dim=2) for t in group] for group in self.groups]
+        return [
+            PackedSlots(tuple(torch.stack([pieces[k] for pieces in group]) for group in blocks_of), self.places)
+            for k in range(count)
+        ]
 
 
 def pack_row_slots(cache: Any, row: int, begin: int, end: int) -> PackedSlots:

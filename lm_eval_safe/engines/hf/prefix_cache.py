@@ -100,14 +100,19 @@ class PrefixStore:
             return
         parent: _Block | None = None
         chain = []
-        packer: packed_slots.RowPacker | None = None  # made for the first new block
-        for start in range(0, len(ids) - self.block + 1, self.block):
+        starts = range(0, len(ids) - self.block + 1, self.block)
+        # a new block's serial is new, so every block after it is new too: they are packed
+        # together at the first one
+        new: list[packed_slots.PackedSlots] = []
+        first_new = 0
+        for n, start in enumerate(starts):
             key = (parent.serial if parent else 0, tuple(ids[start : start + self.block]))
             stored = self._blocks.get(key)
             if stored is None:
-                begin = offset + start
-                packer = packed_slots.RowPacker(cache) if packer is None else packer
-                states = packer.pack(row, begin, begin + self.block)
+                if not new:
+                    packer = packed_slots.RowPacker(cache)
+                    new, first_new = packer.pack_blocks(row, offset + start, self.block, len(starts) - n), n
+                states = new[n - first_new]
                 stored = _Block(next(self._serials), parent, key[1], states)
                 self._blocks[key] = stored
                 self.bytes += states.nbytes

@@ -160,11 +160,13 @@ class SlotLayer(DynamicLayer):
             moves.zero(buffer[rows : rows + count, :, :held])
         self._extent = [(rows + count, held)] * 2
 
-    def keep_rows(self, kept: Sequence[int], moves: Moves) -> None:
+    def keep_rows(self, kept: Sequence[int], moves: Moves, back: Moves) -> None:
         """Keep the listed rows (ascending), in that order: the rows after the first gap move
-        up, the ones before it stay where they are. Once half the row capacity or less is kept
-        (a run's last requests, with none left to admit), the buffers shrink to the rows kept,
-        so finished rows' memory is given back as it was when rows were copied out."""
+        up (copied out to a scratch tensor by ``moves``, and back by ``back``, run after it: the
+        rows overlap), the ones before it stay where they are. Once half the row capacity or
+        less is kept (a run's last requests, with none left to admit), the buffers shrink to
+        the rows kept, so finished rows' memory is given back as it was when rows were copied
+        out."""
         buffers, _, held = self._held()
         if len(kept) <= buffers[0].shape[0] // 2:
             # new buffers, each kept row copied into its place (the old buffers are only read)
@@ -179,10 +181,11 @@ class SlotLayer(DynamicLayer):
             return
         moved = next((i for i, row in enumerate(kept) if row != i), len(kept))
         if moved < len(kept):
-            index = torch.tensor(kept[moved:], dtype=torch.long, device=buffers[0].device)
             for buffer in buffers:
-                part = buffer[:, :, :held].index_select(0, index)  # a copy: rows overlap
-                moves.copy(buffer[moved : len(kept), :, :held], part)
+                scratch = buffer.new_empty((len(kept) - moved, buffer.shape[1], held, buffer.shape[3]))
+                for target, row in enumerate(kept[moved:]):
+                    moves.copy(scratch[target], buffer[row, :, :held])
+                back.copy(buffer[moved : len(kept), :, :held], scratch)
         self._extent = [(len(kept), held)] * 2
 
     def widen_left(self, grow: int, moves: Moves) -> None:
@@ -196,14 +199,13 @@ class SlotLayer(DynamicLayer):
         self._extent = [(rows, grow + held)] * 2
 
     def compact_slots(
-        self, begin: int, runs: Sequence[Sequence[tuple[int, int, int]]], width: int, moves: Moves
-    ) -> Moves:
+        self, begin: int, runs: Sequence[Sequence[tuple[int, int, int]]], width: int, moves: Moves, back: Moves
+    ) -> None:
         """Each row's slots from ``begin`` on become ``width`` slots: its runs ``(source slot,
         target slot counted from begin, length)`` copied out, zeros in the rest. The copies go to a scratch tensor
-        first (``moves``, run by the caller) and come back by the returned moves, as a run may
-        move right over slots another run still has to read."""
+        first (``moves``) and come back by ``back``, run after it, as a run may move right over
+        slots another run still has to read."""
         buffers, rows, held = self._held()
-        back = Moves()
         for buffer in buffers:
             scratch = buffer.new_empty((rows, buffer.shape[1], width, buffer.shape[3]))
             for row, row_runs in enumerate(runs):
@@ -215,7 +217,6 @@ class SlotLayer(DynamicLayer):
                 moves.zero(scratch[row, :, filled:width])
             back.copy(buffer[:rows, :, begin : begin + width], scratch)
         self._extent = [(rows, begin + width)] * 2
-        return back
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
