@@ -234,3 +234,27 @@ def test_the_host_profile_cuts_out_forwards_and_charges_the_innermost_frame_of_o
     assert seconds["forward inputs: ids, positions, masks"] == pytest.approx(0.002)
     assert seconds["decoder loop: text, stops, statistics"] == pytest.approx(0.001)
     assert sum(seconds.values()) == pytest.approx(0.040)
+
+
+def test_bench_threads_runs_the_readme_main_job_as_a_user_types_it(tmp_path: Path) -> None:
+    """Each setting runs the README's main job through ``python -m lm_eval`` with this package's
+    tasks, the members in the README's order and the data folder given, smaller by ``--limit``
+    and ``--max-gen-toks``."""
+    import argparse
+    import sys
+
+    import lm_eval_safe
+    from lm_eval_safe.bench.commands import threads
+
+    parser = argparse.ArgumentParser()
+    threads.configure(parser)
+    args = parser.parse_args(["--data-dir", str(tmp_path), "--limit", "3", "--max-gen-toks", "64"])
+    argv = threads.command(args, tmp_path / "out")
+    assert argv[:3] == [sys.executable, "-m", "lm_eval"]
+    options = {flag: argv[i + 1] for i, flag in enumerate(argv) if flag.startswith("--") and i + 1 < len(argv)}
+    assert options["--model_args"] == "members=smollm2-135m,gemma3-270m"
+    assert options["--include_path"] == str(lm_eval_safe.task_dir())
+    assert json.loads(options["--metadata"]) == {"data_dir": str(tmp_path)}
+    assert options["--limit"] == "3" and options["--gen_kwargs"] == "max_gen_toks=64"
+    assert "--apply_chat_template" in argv and options["--tasks"] == "safe_gsm8k"
+    assert set(threads.SETTINGS["one-thread"]) == {"OMP_NUM_THREADS"}

@@ -137,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
             f"{pair / r['alone_s']:.2f}x | {versus(pair)} |"
         )
     if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
         write_json_report(
             args.json_out,
             {
