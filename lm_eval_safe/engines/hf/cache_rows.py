@@ -117,7 +117,9 @@ class CacheRows:
     def _maybe_compact(self) -> None:
         """Compact the generated tail once its holes exceed :data:`_COMPACT_SLACK` slots: from
         the first slot where any row has a hole after its first token on, each row's tokens move
-        right-aligned to the widest row's count (the prompts before it stay where they are)."""
+        right-aligned to the widest row's count (the prompts before it stay where they are).
+        Slots before every row's first token (rows that left) are given back by compacting
+        every slot, once they exceed the slack."""
         longest = max(self.lengths, default=0)
         # the tail's holes are at most slots - longest (the longest row fills the tail's width)
         if self.cache is None or self.slots <= longest + _COMPACT_SLACK:
@@ -125,6 +127,12 @@ class CacheRows:
         live = self.positions >= 0
         holes = live.cummax(dim=1).values & ~live  # holes after a row's first token
         begin = int(torch.where(holes.any(dim=1), holes.int().argmax(dim=1), self.slots).min())
+        # slots no row uses before every row's first token: left behind by rows that finished
+        # (a refilled batch's newcomers are spliced at the end); past the slack, the whole cache
+        # is compacted, so they never pile up
+        lead = int(torch.where(live.any(dim=1), live.int().argmax(dim=1), self.slots).min())
+        if lead > _COMPACT_SLACK:
+            begin = 0
         tail = [(live[row, begin:]).nonzero().flatten() + begin for row in range(self.rows)]
         width = max(len(slots) for slots in tail)
         if self.slots - begin - width <= _COMPACT_SLACK:
