@@ -7,6 +7,9 @@
 * :mod:`.output`: formatting of table cells and the JSON reports.
 * :mod:`.speed`, :mod:`.floor`, :mod:`.speed_report`: ``lm-eval-safe bench speed``'s methods,
   its draft-then-verify floor, and the per-token ratios and table over their runs.
+* :mod:`.eval_runs`, :mod:`.eval_report`: ``lm-eval-safe bench eval``'s timed runs (wall times,
+  the ensemble's measured floor: the drafter's run plus the verifiers reading its texts) and
+  its tables.
 
 Nothing here is imported by the start-up hook; the modules that need torch import it.
 """

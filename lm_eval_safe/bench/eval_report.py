@@ -1,5 +1,6 @@
 """The markdown tables of ``lm-eval-safe bench eval``'s report (whole evaluation runs side by
-side): wall times and their ratios, then what each safe-ensemble run cost per generated token."""
+side): wall times and their ratios, what each safe-ensemble run cost per generated token, and
+the ensemble against its floor."""
 
 from __future__ import annotations
 
@@ -41,6 +42,15 @@ def markdown(report: dict[str, Any], labels: dict[str, str], base: str) -> str:
             f"| {labels[name]} | {s['generated_tokens']} | {s['submitted_tokens_per_token']:.1f} "
             f"| {s['computed_prefill_per_token']:.2f} | {s['engine_calls_per_token']:.3f} |"
             for name, s in costs
+        ]
+    if report.get("floor"):
+        f = report["floor"]
+        lines += [
+            "",
+            f"floor: the drafter's run ({labels[f['drafter_run']]}) {1000 * f['drafter_seconds_per_token']:.1f} ms "
+            f"per token x the ensemble's {f['ensemble_tokens']} tokens = {f['drafter_seconds']:.1f} s, plus the "
+            f"verifiers' reads of its texts {f['verifier_reads_seconds']:.1f} s: {f['floor_seconds']:.1f} s; "
+            f"the ensemble takes **{f['ensemble_over_floor']:.2f}x** its floor",
         ]
     for key in ("alone_responses_equal_hf", "alone_responses_equal_lm_eval_vllm", "ensemble_responses_equal_ensemble_hf"):
         if report.get(key):

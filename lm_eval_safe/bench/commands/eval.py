@@ -5,6 +5,16 @@ same ensemble on transformers (``ensemble_hf``), with ``--engine-args`` (the eng
 model_args); where lm-eval has a backend of its own for the engine (``vllm``), it runs the
 drafter alone beside them.
 
+Each round also times the ensemble's *floor*: the least any draft-then-verify ensemble of these
+members costs on the engine, measured, not modelled. It is the drafter's own run per generated
+token (the fastest drafter-alone run whose responses equal safe-ensemble's alone: lm-eval's own
+backend of the engine, or safe-ensemble's single-member path) times the tokens the ensemble
+generated, plus each verifier alone reading the ensemble's texts: one ``loglikelihood`` request
+per (context, response) the ensemble answered, on the same engine and batch size, which prefills
+the verifier's prompt and reads its distribution at every generated position. The ensemble over
+its floor is then what SAFE itself adds (its host work, drafts a verifier replaced, windows read
+twice), apart from what a second model costs whatever the method.
+
 Why this benchmark: a user judges the backend by what a whole ``lm_eval`` run costs next to
 lm-eval's own ``hf`` backend on one model, with real task prompts (few-shot exemplars, chat
 templates), not by the per-token speed of bare prompts. Every configuration runs the same
@@ -39,7 +49,6 @@ import json
 import logging
 import os
 import platform
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -48,7 +57,15 @@ from typing import Any
 
 import lm_eval_safe
 from lm_eval_safe.bench import commands
-from lm_eval_safe.bench.eval_report import markdown, responses, scores
+from lm_eval_safe.bench.eval_report import markdown, scores
+from lm_eval_safe.bench.eval_runs import (
+    VERIFIER_READS,
+    Rounds,
+    floor,
+    read_answers,
+    record_answers,
+    reset_stores,
+)
 from lm_eval_safe.bench.output import write_json_report
 from lm_eval_safe.cli_options import (
     DEFAULT_MEMBERS,
@@ -73,14 +90,15 @@ LABELS = {
     "alone": "safe-ensemble, drafter alone",
     "ensemble": "safe-ensemble, ensemble",
     "ensemble_hf": "safe-ensemble, ensemble on transformers",
+    VERIFIER_READS: "verifiers alone, reading the ensemble's texts",
 }
 
 
 def labels(report: dict[str, Any]) -> dict[str, str]:
     """Every run's name in the tables; safe-ensemble's runs on another engine say which."""
     engine = report["engine"]
-    on = {"alone", "ensemble"} if engine != DEFAULT_ENGINE else set()
-    return {name: f"{LABELS[name]} on {engine}" if name in on else LABELS[name] for name in RUNS}
+    on = {"alone", "ensemble", VERIFIER_READS} if engine != DEFAULT_ENGINE else set()
+    return {name: f"{LABELS[name]} on {engine}" if name in on else LABELS[name] for name in LABELS}
 
 
 DEFAULT_TASKS = "safe_bbh_date_understanding,safe_bbh_logical_deduction_three_objects,safe_bbh_navigate"
@@ -116,7 +134,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--skip",
         default="",
-        help=f"comma list of runs to skip: hf, alone, ensemble, ensemble_hf, {LM_EVAL_OWN_BACKEND}",
+        help=f"comma list of runs to skip: hf, alone, ensemble, ensemble_hf, {VERIFIER_READS}, "
+        f"{LM_EVAL_OWN_BACKEND}",
     )
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--markdown", default=None, help="write a markdown table here")
@@ -133,17 +152,6 @@ def model_args(members: list[str], extra: str, batch_size: int | str) -> str:
     return f"{args},{extra}" if extra else args
 
 
-def reset_stores(lm: Any) -> None:
-    """Empty every prefix cache (this package's stores, vLLM's), so that no run inherits the
-    prompts an earlier run computed, and start the run's statistics afresh."""
-    from lm_eval_safe.decoder.stats import GenerationStats
-
-    for member in lm.members:
-        member.engine.forget_prefixes()
-    lm._prefill_counted = [member.engine.prefill_counts() for member in lm.members]
-    lm.run_stats = GenerationStats()
-
-
 @dataclass
 class Bench:
     """What every run of one benchmark shares: its arguments, tasks and loaded models."""
@@ -155,6 +163,10 @@ class Bench:
     batch: int | str
     engine: str  # --engine
     models: dict[str, Any] = field(default_factory=dict)
+    #: each verifier alone on the engine, for the floor's reads
+    verifier_models: dict[str, Any] = field(default_factory=dict)
+    #: the (context, response) pairs of the ensemble's last run, in the order it answered them
+    ensemble_answers: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def vllm(self) -> bool:
@@ -190,6 +202,12 @@ def load_safe_models(bench: Bench, skip: set[str]) -> None:
         bench.models["ensemble_hf"] = SafeEnsembleLM.create_from_arg_string(
             model_args(members, ensemble_args, batch)
         )
+    if "ensemble" in bench.models and VERIFIER_READS not in skip:
+        record_answers(bench.models["ensemble"], bench.ensemble_answers)
+        for verifier in bench.verifiers:
+            bench.verifier_models[verifier] = SafeEnsembleLM.create_from_arg_string(
+                model_args([verifier], alone_args, batch)
+            )
 
 
 def load_lm_eval_models(bench: Bench, skip: set[str]) -> None:
@@ -255,34 +273,14 @@ def evaluate(bench: Bench, name: str, limit: int, log: bool = True) -> tuple[dic
     return results, time.perf_counter() - start
 
 
-@dataclass
-class Rounds:
-    """Every timed run's wall times, and the last round's results and statistics per run."""
-
-    runs: dict[str, list[float]]
-    outputs: dict[str, dict[str, Any]] = field(default_factory=dict)
-    stats: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    def median(self, name: str) -> float | None:
-        return statistics.median(self.runs[name]) if self.runs.get(name) else None
-
-    def ratio(self, a: str, b: str) -> float | None:
-        x, y = self.median(a), self.median(b)
-        return x / y if x is not None and y else None
-
-    def same(self, a: str, b: str) -> list[int] | None:
-        if a not in self.outputs or b not in self.outputs:
-            return None
-        mine, theirs = responses(self.outputs[a]), responses(self.outputs[b])
-        return [sum(mine[k] == theirs.get(k) for k in mine), len(mine)]
-
-
 def timed_rounds(bench: Bench) -> Rounds:
     """``--repeats`` rounds over every run, the order reversed every other round."""
     from lm_eval_safe.harness.model import SafeEnsembleLM
 
     order = [name for name in RUNS if name in bench.models]
     rounds = Rounds({name: [] for name in order})
+    if bench.verifier_models:
+        rounds.runs[VERIFIER_READS] = []
     for round_ in range(bench.args.repeats):
         for name in order if round_ % 2 == 0 else order[::-1]:
             results, wall = evaluate(bench, name, bench.args.limit)
@@ -292,6 +290,10 @@ def timed_rounds(bench: Bench) -> Rounds:
             if isinstance(lm, SafeEnsembleLM):
                 rounds.stats[name] = lm.run_stats.summary()
             print(f"round {round_ + 1} {name}: {wall:.1f} s", flush=True)
+            if name == "ensemble" and bench.verifier_models:
+                wall = read_answers(bench.verifier_models.values(), bench.ensemble_answers)
+                rounds.runs[VERIFIER_READS].append(wall)
+                print(f"round {round_ + 1} {VERIFIER_READS}: {wall:.1f} s", flush=True)
     return rounds
 
 
@@ -334,6 +336,7 @@ def build_report(bench: Bench, rounds: Rounds, loaded: float, warm: float) -> di
             if bench.vllm
             else {}
         ),
+        "floor": floor(rounds, LM_EVAL_OWN_BACKEND if bench.vllm else "hf"),
         "scores": {name: scores(res) for name, res in rounds.outputs.items()},
         "safe_stats": rounds.stats,
     }
@@ -382,6 +385,8 @@ def run(args: argparse.Namespace) -> int:
     warm_start = time.perf_counter()
     for name in bench.models:
         evaluate(bench, name, 1, log=False)
+    if bench.verifier_models:
+        read_answers(bench.verifier_models.values(), bench.ensemble_answers)
     warm = time.perf_counter() - warm_start
 
     report = build_report(bench, timed_rounds(bench), loaded, warm)
