@@ -258,3 +258,23 @@ def test_bench_threads_runs_the_readme_main_job_as_a_user_types_it(tmp_path: Pat
     assert options["--limit"] == "3" and options["--gen_kwargs"] == "max_gen_toks=64"
     assert "--apply_chat_template" in argv and options["--tasks"] == "safe_gsm8k"
     assert set(threads.SETTINGS["one-thread"]) == {"OMP_NUM_THREADS"}
+
+
+def test_bench_batch_splits_each_runs_time_into_the_members_engines_and_the_rest(
+    tiny_bpe_dir: Path, tiny_sp_dir: Path
+) -> None:
+    """The ensemble's batching gain is read part by part: each member's engine seconds (its
+    engine's own clock) and the host rest add up to the run's wall time, at every batch size."""
+    from lm_eval_safe.bench.commands.batch import time_parts, timed_run
+    from tests.helpers import make_lm
+
+    lm = make_lm(tiny_bpe_dir, tiny_sp_dir)
+    jobs = [(context, [], 6) for context in ("the cat sat on", "a dog ran to the", "one two three")]
+    runs = [timed_run(lm, jobs, batch_size) for batch_size in (1, 3)]
+    for run in runs:
+        parts = time_parts(run)
+        assert set(parts) == {lm.members[0].name, lm.members[1].name, "host"}
+        assert all(parts[m.name] > 0 for m in lm.members)  # both members ran, on their own clocks
+        assert sum(parts.values()) == pytest.approx(run["seconds"])
+    # rows decoded together write what they write alone
+    assert runs[0]["texts"] == runs[1]["texts"]

@@ -14,6 +14,9 @@ Why it measures what it does
 * The ensemble's gain (batch ``N`` over batch 1) is printed beside transformers ``generate``'s
   own gain on each member alone, on the same prompts in the same run (``--no-generate`` skips
   it): batching is healthy when the ensemble keeps the members' gain, whatever the machine.
+  Beside it, each member's engine seconds inside the ensemble and the rest (the package's own
+  work between the engine calls) at each batch size, and each part's gain: which part keeps
+  the ensemble's gain short of the members'.
 * ``--dp``: the same prompts at ``--dp-batch-size`` in one process with all threads, then
   through ``torchrun --nproc_per_node 2`` with half the threads each (documents split by
   rank, as lm-eval shards them). Wall time is the slowest rank's decoding time.
@@ -43,7 +46,7 @@ from lm_eval_safe.bench.prompts import load_prompts
 from lm_eval_safe.bench.timing import timed
 from lm_eval_safe.cli_options import add_data_dir, add_members, local_data_dir, split_list
 from lm_eval_safe.engines import instruments
-from lm_eval_safe.harness.model import SafeEnsembleLM
+from lm_eval_safe.harness.model import SafeEnsembleLM, engine_clocks
 
 
 def make_jobs(
@@ -54,17 +57,28 @@ def make_jobs(
 
 
 def timed_run(lm: SafeEnsembleLM, jobs: list[Any], batch_size: int) -> dict[str, Any]:
+    before = engine_clocks(lm.members)
     results, seconds = timed(lambda: lm.decoder.generate_many(jobs, batch_size), lm.members)
+    engine = {m.name: m.engine.counters.seconds - s for m, (_, s) in zip(lm.members, before, strict=True)}
     tokens = sum(stats.generated_tokens for _, stats in results)
     ensembles = sum(stats.ensemble_ops for _, stats in results)
     return {
         "batch_size": batch_size,
         "seconds": seconds,
+        # where the run's time went: each member's engine calls, and the rest (this package's
+        # work between them), so that a gain short of the members' says which part fell short
+        "engine_seconds_by_member": engine,
+        "host_seconds": seconds - sum(engine.values()),
         "tokens": tokens,
         "tokens_per_second": tokens / seconds if seconds else 0.0,
         "ensemble_rate_percent": 100.0 * ensembles / tokens if tokens else 0.0,
         "texts": [text for text, _ in results],
     }
+
+
+def time_parts(run: dict[str, Any]) -> dict[str, float]:
+    """A timed run's seconds by part: each member's engine calls, then ``host``, the rest."""
+    return {**run["engine_seconds_by_member"], "host": run["host_seconds"]}
 
 
 def member_generate_runs(
@@ -166,6 +180,14 @@ def bench_batches(args: argparse.Namespace) -> dict[str, Any]:
             f"batch_size={run['batch_size']}: ensemble gain x{run['throughput_ratio']:.2f}; generate's gain {each}; "
             f"the ensemble's gain is {run['gain_over_members']:.2f} of the members' mean"
         )
+        before, after = time_parts(report["runs"][0]), time_parts(run)
+        run["part_gains"] = {name: before[name] / after[name] if after[name] > 0 else None for name in after}
+        parts = ", ".join(
+            f"{name} {before[name]:.1f}s -> {after[name]:.1f}s (x{gain:.2f})"
+            for name, gain in run["part_gains"].items()
+            if gain is not None
+        )
+        print(f"  inside the ensemble, batch_size=1 -> {run['batch_size']}: {parts}")
     return report
 
 
