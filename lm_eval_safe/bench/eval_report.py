@@ -45,12 +45,16 @@ def markdown(report: dict[str, Any], labels: dict[str, str], base: str) -> str:
         ]
     if report.get("floor"):
         f = report["floor"]
+        reads = "; ".join(
+            f"{name} " + ", ".join(f"{seconds:.1f} s at batch {size}" for size, seconds in by_batch.items())
+            for name, by_batch in f["verifier_reads_by_batch_size"].items()
+        )
         lines += [
             "",
             f"floor: the drafter's run ({labels[f['drafter_run']]}) {1000 * f['drafter_seconds_per_token']:.1f} ms "
             f"per token x the ensemble's {f['ensemble_tokens']} tokens = {f['drafter_seconds']:.1f} s, plus the "
-            f"verifiers' reads of its texts {f['verifier_reads_seconds']:.1f} s: {f['floor_seconds']:.1f} s; "
-            f"the ensemble takes **{f['ensemble_over_floor']:.2f}x** its floor",
+            f"verifiers' reads of its texts {f['verifier_reads_seconds']:.1f} s (the lesser of {reads}): "
+            f"{f['floor_seconds']:.1f} s; the ensemble takes **{f['ensemble_over_floor']:.2f}x** its floor",
         ]
     for key in ("alone_responses_equal_hf", "alone_responses_equal_lm_eval_vllm", "ensemble_responses_equal_ensemble_hf"):
         if report.get(key):

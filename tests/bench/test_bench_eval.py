@@ -18,6 +18,7 @@ from lm_eval_safe.bench.eval_runs import (
     VERIFIER_READS,
     Rounds,
     floor,
+    least_reads,
     read_answers,
     record_answers,
 )
@@ -35,6 +36,7 @@ def _rounds(own_texts: list[str], own_seconds: float) -> Rounds:
     )
     rounds.outputs = {"hf": _samples(own_texts), "alone": _samples(["a", "b"])}
     rounds.stats = {"alone": {"generated_tokens": 100}, "ensemble": {"generated_tokens": 120}}
+    rounds.reads = {"v": {"8": 8.0, "1": 6.0}}
     return rounds
 
 
@@ -77,6 +79,7 @@ def test_the_report_states_the_ensemble_over_its_floor() -> None:
     assert "| reads | 7.0 |" in text
     assert "the ensemble takes **2.31x** its floor" in text
     assert "(lm-eval hf) 50.0 ms per token x the ensemble's 120 tokens = 6.0 s" in text
+    assert "(the lesser of v 8.0 s at batch 8, 6.0 s at batch 1)" in text
 
 
 def test_each_verifier_reads_exactly_the_texts_the_ensemble_answered(tiny_bpe_dir: Path, tiny_sp_dir: Path) -> None:
@@ -95,8 +98,11 @@ def test_each_verifier_reads_exactly_the_texts_the_ensemble_answered(tiny_bpe_di
         return score(requests, disable_tqdm)
 
     verifier.loglikelihood = loglikelihood
-    assert read_answers([verifier], answers) > 0
-    assert asked == answers
+    seconds = read_answers([verifier], answers)
+    assert list(seconds) == [verifier.members[0].name] and list(seconds[verifier.members[0].name]) == ["2", "1"]
+    assert least_reads(seconds) == min(seconds[verifier.members[0].name].values()) > 0
+    assert asked == answers + answers  # every answer, at each batch size
+    assert verifier.options.batch_size == 2  # as loaded again
     # a later call's answers replace the earlier ones
     ensemble.generate_until([gen_request(contexts[0], until=["\n\n"], max_gen_toks=3)])
     assert [c for c, _ in answers] == contexts[:1]
