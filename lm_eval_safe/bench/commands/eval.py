@@ -202,7 +202,7 @@ def load_safe_models(bench: Bench, skip: set[str]) -> None:
         bench.models["ensemble_hf"] = SafeEnsembleLM.create_from_arg_string(
             model_args(members, ensemble_args, batch)
         )
-    if "ensemble" in bench.models and VERIFIER_READS not in skip:
+    if {"ensemble", "alone"} <= bench.models.keys() and VERIFIER_READS not in skip:  # the floor needs both
         record_answers(bench.models["ensemble"], bench.ensemble_answers)
         for verifier in bench.verifiers:
             bench.verifier_models[verifier] = SafeEnsembleLM.create_from_arg_string(
