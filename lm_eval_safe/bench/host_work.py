@@ -222,9 +222,14 @@ class HostWork:
         } | self._device_summary()
 
     def _device_summary(self) -> dict[str, float | None]:
-        tokens = max(1, self.tokens)
+        tokens, forwards = max(1, self.tokens), sum(self.forwards.values())
         device_ops, host_ops = self.device_ops, self.host_ops  # None before the counted pass
         return {
+            # device ops per token = forwards per token x device ops per forward: how many
+            # forwards a token costs (a second member's, drafts thrown away, rows left out of a
+            # batched forward) apart from the work cut from each
+            "forwards_per_token": round(forwards / tokens, 4),
+            "device_ops_per_forward": None if device_ops is None or not forwards else round(device_ops / forwards, 2),
             "heads_s": round(self.heads_seconds, 3),
             "device_ms_per_token": round(1e3 * self.device_seconds / tokens, 3),
             "host_ms_per_token_less_device_work": round(self.host_less_device_ms_per_token, 3),

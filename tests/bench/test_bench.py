@@ -203,6 +203,38 @@ def test_the_host_table_states_each_configuration_against_the_drafter_at_its_bat
     assert ratio_to_drafter(rows[3], rows, "host_ms_per_token") == "-"  # no drafter at batch 4
 
 
+def test_the_forwards_table_takes_the_device_op_ratio_apart() -> None:
+    """Device ops per token over the drafter's is forwards per token over the drafter's times
+    device ops per forward over the drafter's; rows per forward is the same configuration's
+    batch-1 forwards over this run's, only where the texts are the same."""
+    from lm_eval_safe.bench.commands.host import forwards_table, rows_per_forward
+
+    def row(name: str, batch: int, forwards: dict[str, int], ops: int, tokens: int, texts: list[str]) -> dict:
+        total = sum(forwards.values())
+        return {
+            "configuration": name, "batch_size": batch, "forwards": forwards, "texts": texts,
+            "forwards_per_token": total / tokens, "device_ops_per_forward": ops / total,
+            "device_ops_per_token": ops / tokens,
+        }
+
+    rows = [
+        row("drafter", 1, {"d": 400}, 4000, 384, ["a"]),
+        row("drafter", 8, {"d": 50}, 500, 384, ["a"]),
+        row("unite_safe", 1, {"d": 440, "v": 140}, 6960, 360, ["b"]),
+        row("unite_safe", 8, {"d": 96, "v": 24}, 1440, 360, ["b"]),
+        row("gac_safe", 8, {"d": 90, "v": 20}, 1320, 384, ["c"]),
+    ]
+    assert rows_per_forward(rows[1], rows) == "8.00"
+    assert rows_per_forward(rows[3], rows) == "4.83"  # 580 forwards alone, 120 at batch 8
+    assert rows_per_forward(rows[4], rows) == "-"  # no batch-1 run of it
+    rows[2]["texts"] = ["other"]
+    assert rows_per_forward(rows[3], rows) == "-"  # another text: not the same requests' forwards
+    table = forwards_table(rows).splitlines()
+    # 120/360 forwards a token against 50/384: 2.56x; 12 ops a forward against 10: 1.20x;
+    # 1440/360 ops a token against 500/384: 3.07x = 2.56 x 1.20
+    assert table[5].split(" | ")[3:] == ["2.56x", "-", "12.00", "1.20x", "3.07x |"]
+
+
 def test_the_host_profile_cuts_out_forwards_and_charges_the_innermost_frame_of_ours() -> None:
     """A sampled stack: time inside an ``nn.Module`` call is the forwards'; the rest goes to the
     part of the innermost frame of this package above it (torch's own frames included)."""

@@ -27,6 +27,10 @@ Why it measures what it does
 * Greedy decoding, stop string ``Question:`` (the few-shot format), ``--max-new-tokens`` each.
 * Each configuration is stated against the drafter alone at the same batch size, same run:
   host time and device ops per token (the two figures SAFE's own work is judged by).
+  A second table takes the device-op ratio apart: forwards per token (the verifiers' own, drafts
+  a replacement threw away, and *rows per forward*: the batch-1 run's forwards over this one's,
+  what lock-step cycles give up where rows draft windows of different lengths) times device
+  ops per forward (the heads cut from each).
   ``--profile CONFIG:BATCH`` then samples one run (:mod:`lm_eval_safe.bench.host_profile`) and
   says where the host time went, by part of the cycle.
 * On a GPU (``--device cuda``) every clock times the device's stream with CUDA events (the host's
@@ -156,6 +160,38 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def rows_per_forward(row: dict, rows: list[dict]) -> str:
+    """How many requests a forward carried on average: the forwards the same configuration ran
+    at batch size 1 in this run (each request's own, one row each) over this row's, or "-"
+    without that row. At batch size ``b`` it is at most ``b``; SAFE's lock-step cycles give up
+    the rest where rows draft windows of different lengths, or wait for a verifier."""
+    alone = next(
+        (r for r in rows if r["configuration"] == row["configuration"] and r["batch_size"] == 1), None
+    )
+    if alone is None or alone["texts"] != row["texts"] or not sum(row["forwards"].values()):
+        return "-"
+    return f"{sum(alone['forwards'].values()) / sum(row['forwards'].values()):.2f}"
+
+
+def forwards_table(rows: list[dict]) -> str:
+    """The device-op ratio taken apart: forwards per token (a ratio a schedule sets: the
+    verifiers' forwards, drafts thrown away, rows a batched forward leaves out) times device
+    ops per forward (the work cut from each forward's logits)."""
+    lines = [
+        "| configuration | batch | forwards/token | forwards vs drafter | rows per forward "
+        "| device ops/forward | ops per forward vs drafter | device ops vs drafter |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['configuration']} | {r['batch_size']} | {fmt(r['forwards_per_token'], 3)} | "
+            f"{ratio_to_drafter(r, rows, 'forwards_per_token')} | {rows_per_forward(r, rows)} | "
+            f"{fmt(r['device_ops_per_forward'])} | {ratio_to_drafter(r, rows, 'device_ops_per_forward')} | "
+            f"{ratio_to_drafter(r, rows, 'device_ops_per_token')} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``lm-eval-safe bench host`` with a plain argument list."""
     return commands.main("host", argv)
@@ -204,6 +240,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{work.configuration} batch {work.batch_size}: reads {work.host_syncs}", file=sys.stderr, flush=True)
     rows = [work.summary() | {"texts": work.texts} for work in runs]
     print(table(rows))
+    print("\nforwards per token and device ops per forward (their product is device ops per token)")
+    print(forwards_table(rows))
     if args.json_out:
         report = {
             "config": {

@@ -289,6 +289,9 @@ def test_bench_host_runs_end_to_end(tiny_bpe_dir: Path, tiny_sp_dir: Path, tmp_p
         assert len(repeats) == 2 and row["host_ms_per_token"] in repeats
         assert row["tokens"] > 0 and row["device_ops_per_token"] > 0 and row["device_ms_per_token"] > 0
         assert row["host_ms_per_token_less_device_work"] < row["host_ms_per_token"]
+        forwards = sum(row["forwards"].values())
+        assert row["forwards_per_token"] == pytest.approx(forwards / row["tokens"], abs=1e-4)
+        assert row["device_ops_per_forward"] * forwards == pytest.approx(row["device_ops_per_token"] * row["tokens"], rel=0.01)
 
 
 @pytest.mark.parametrize("schedule", ["drafter", "safe", "every", "threshold"])
