@@ -177,8 +177,9 @@ def run_batched(
 
     Rows advance in lock-step cycles: every row drafts (one batched forward of member 0 per
     step), then each other member serves the rows that need it in one batched forward, then each
-    row accepts or rolls back on its own. At each cycle's end finished and cancelled rows leave
-    and the next requests join (continuous refill). ``threaded``: verifier members run on
+    row accepts or rolls back on its own. At each cycle's end finished and cancelled rows leave,
+    the last rows taking their places (:func:`gap_filling_order`), and the next requests join
+    (continuous refill). ``threaded``: verifier members run on
     threads of their own, which rows that :class:`Launch` forwards need. ``on_error``: a
     request whose own steps raise ends alone, reported there (without it the run raises)."""
     batches = [m.engine.new_batch() for m in members]
@@ -214,10 +215,23 @@ def run_batched(
                     row.steps.close()
                 else:
                     alive.append(r)
+            kept = gap_filling_order(alive)
             for batch in batches:
-                batch.keep_rows(alive)
-            rows = [rows[r] for r in alive]
+                batch.keep_rows(kept)
+            rows = [rows[r] for r in kept]
             source.between_cycles()
+
+
+def gap_filling_order(alive: list[int]) -> list[int]:
+    """The rows that stay (ascending), in the order that moves the fewest: a row already among
+    the first ``len(alive)`` positions keeps its place and each place a finished row left takes a
+    row from past them. Shifting every row after a gap up instead moved the whole KV cache of
+    most rows (prompts included) whenever an early row finished; a row's place in the batch
+    changes nothing in its result."""
+    count = len(alive)
+    staying = {r for r in alive if r < count}
+    movers = iter(r for r in alive if r >= count)
+    return [r if r in staying else next(movers) for r in range(count)]
 
 
 def _serve(

@@ -261,7 +261,9 @@ class EngineBatch(ABC):
 
     @abstractmethod
     def keep_rows(self, rows: list[int]) -> None:
-        """Drop every row not listed (finished requests); the listed rows keep their order."""
+        """Drop every row not listed (finished requests); the listed rows become rows ``0 ..
+        len(rows) - 1`` in the order listed (the batch driver lists them in the order that moves
+        the fewest, not always ascending)."""
 
     def run(self, calls: dict[int, Call]) -> dict[int, Any]:
         """Answer every row's call (row index -> call) at once: each kind's calls together

@@ -11,12 +11,14 @@ logic, not from batch-dependent float32 kernels (the float32 evidence is in BENC
 from __future__ import annotations
 
 import random
+from itertools import combinations, permutations
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import SCHEDULES, completed_rows, gen_request, make_lm, random_prompts
 
+from lm_eval_safe.decoder.batch_driver import gap_filling_order
 from lm_eval_safe.engines import generation_rows, load_member
 from lm_eval_safe.engines.base import Forward
 from lm_eval_safe.engines.hf import cache_rows
@@ -27,6 +29,22 @@ def _full_logprobs(member, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         logits = member.engine.model(input_ids=torch.tensor([ids])).logits[0]
     return torch.log_softmax(logits[:, : len(member.vocab)].double(), dim=-1)
+
+
+def test_gap_filling_order_moves_the_fewest_rows() -> None:
+    """Every set of surviving rows of a batch of up to 7: the order keeps exactly those rows,
+    and it moves as few of them as any order can (brute force over every permutation)."""
+    for size in range(1, 8):
+        for count in range(size + 1):
+            for alive in combinations(range(size), count):
+                order = gap_filling_order(list(alive))
+                assert sorted(order) == list(alive)
+                moved = sum(row != place for place, row in enumerate(order))
+                fewest = min(
+                    (sum(row != place for place, row in enumerate(p)) for p in permutations(alive)),
+                    default=0,
+                )
+                assert moved == fewest, (alive, order)
 
 
 @pytest.mark.parametrize("slack", [0, 48])
@@ -52,7 +70,10 @@ def test_member_batch_matches_full_recompute(
             batch.add_row()
             seqs.append([])
         if batch.rows > 1 and rng.random() < 0.1:
-            keep = sorted(rng.sample(range(batch.rows), batch.rows - 1))
+            # the batch driver's order (the last rows fill the gaps), or any order
+            keep = gap_filling_order(sorted(rng.sample(range(batch.rows), batch.rows - 1)))
+            if rng.random() < 0.5:
+                rng.shuffle(keep)
             batch.keep_rows(keep)
             seqs = [seqs[r] for r in keep]
         calls = {}

@@ -59,7 +59,8 @@ class CacheRows:
         return self.rows - 1
 
     def keep_rows(self, rows: list[int]) -> None:
-        """Drop every row not listed (finished requests); the listed rows keep their order."""
+        """Drop every row not listed (finished requests); row ``i`` becomes the listed
+        ``rows[i]``."""
         if rows == list(range(self.rows)):
             return
         self.lengths = [self.lengths[r] for r in rows]

@@ -139,7 +139,7 @@ def add_rows(cache: Any, count: int) -> None:
 
 @torch.inference_mode()  # the buffers are inference tensors: written in place
 def keep_rows(cache: Any, rows: Sequence[int]) -> None:
-    """Keep the listed rows (ascending) in that order, moving only the rows after a gap."""
+    """Row ``i`` becomes the listed ``rows[i]``, moving only the rows not already in place."""
     moves, back = Moves(), Moves()
     for layer in _slot_layers(cache):
         layer.keep_rows(rows, moves, back)

@@ -161,9 +161,10 @@ class SlotLayer(DynamicLayer):
         self._extent = [(rows + count, held)] * 2
 
     def keep_rows(self, kept: Sequence[int], moves: Moves, back: Moves) -> None:
-        """Keep the listed rows (ascending), in that order: the rows after the first gap move
-        up (copied out to a scratch tensor by ``moves``, and back by ``back``, run after it: the
-        rows overlap), the ones before it stay where they are. Once half the row capacity or
+        """Row ``i`` becomes the listed ``kept[i]``: only rows not already in their place are
+        copied, straight into it by ``moves`` where every source lies past the rows kept (the
+        batch driver's order), else through a scratch tensor (out by ``moves``, back by
+        ``back``, run after it: sources and targets overlap). Once half the row capacity or
         less is kept (a run's last requests, with none left to admit), the buffers shrink to
         the rows kept, so finished rows' memory is given back as it was when rows were copied
         out."""
@@ -179,13 +180,17 @@ class SlotLayer(DynamicLayer):
             self._buffers = fresh
             self._extent = [(len(kept), held)] * 2
             return
-        moved = next((i for i, row in enumerate(kept) if row != i), len(kept))
-        if moved < len(kept):
-            for buffer in buffers:
-                scratch = buffer.new_empty((len(kept) - moved, buffer.shape[1], held, buffer.shape[3]))
-                for target, row in enumerate(kept[moved:]):
-                    moves.copy(scratch[target], buffer[row, :, :held])
-                back.copy(buffer[moved : len(kept), :, :held], scratch)
+        moved = [(target, row) for target, row in enumerate(kept) if row != target]
+        direct = all(row >= len(kept) for _, row in moved)
+        for buffer in buffers:
+            if direct:
+                for target, row in moved:
+                    moves.copy(buffer[target, :, :held], buffer[row, :, :held])
+                continue
+            scratch = buffer.new_empty((len(moved), buffer.shape[1], held, buffer.shape[3]))
+            for out, (target, row) in enumerate(moved):
+                moves.copy(scratch[out], buffer[row, :, :held])
+                back.copy(buffer[target, :, :held], scratch[out])
         self._extent = [(len(kept), held)] * 2
 
     def widen_left(self, grow: int, moves: Moves) -> None:

@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers import WORDS, completed_rows
 
+from lm_eval_safe.decoder.batch_driver import gap_filling_order
 from lm_eval_safe.engines import load_member
 from lm_eval_safe.engines.base import Forward
 from lm_eval_safe.engines.hf import kv_cache, model_calls, packed_slots
@@ -299,7 +300,13 @@ def test_slot_layer_row_and_slot_moves_equal_the_tensor_operations() -> None:
             kv_cache.add_rows(cache, count)
             want = [torch.cat([t, t.new_zeros((count, *t.shape[1:]))]) for t in want]
         elif move == "keep":
+            # ascending, the batch driver's order (the last rows fill the gaps), or any order
             kept = sorted(rng.sample(range(rows), rng.randint(1, rows - 1)))
+            order = rng.choice(["ascending", "gap filling", "shuffled"])
+            if order == "gap filling":
+                kept = gap_filling_order(kept)
+            elif order == "shuffled":
+                rng.shuffle(kept)
             kv_cache.keep_rows(cache, kept)
             want = [t[kept] for t in want]
         elif move == "widen":
@@ -331,6 +338,29 @@ def test_slot_layer_row_and_slot_moves_equal_the_tensor_operations() -> None:
             want = [torch.cat([t, n], dim=2) for t, n in zip(want, new, strict=True)]
         check(f"{step}: {move}")
     assert kv_cache.seq_length(cache) == want[0].shape[2]
+
+
+@pytest.mark.parametrize(
+    "kept",
+    [
+        [0, 7, 2, 6, 4, 5],  # the batch driver's order: rows 6 and 7 fill the gaps 1 and 3
+        [0, 1, 2, 3, 4],  # the last rows dropped: nothing moves
+        [5, 4, 3, 2, 1, 0],  # reversed: sources and targets overlap
+        [2, 0, 1, 6, 7],  # a rotation, and rows from past the kept ones
+    ],
+)
+def test_keeping_more_than_half_the_rows_in_any_order_moves_them_in_place(kept: list[int]) -> None:
+    """More than half the rows kept, listed in any order: row ``i`` holds what row ``kept[i]``
+    held (indexing the plain tensors is the reference), in the same buffers."""
+    gen = torch.Generator().manual_seed(9)
+    keys, values = torch.randn(8, 2, 6, 3, generator=gen), torch.randn(8, 2, 6, 3, generator=gen)
+    cache = kv_cache.new_cache([(keys, values)])
+    kv_cache.with_slots(cache, spare=2)
+    storage = cache.layers[0].keys.untyped_storage().data_ptr()
+    kv_cache.keep_rows(cache, kept)
+    ((held_keys, held_values),) = kv_cache.layer_states(cache)
+    assert torch.equal(held_keys, keys[kept]) and torch.equal(held_values, values[kept])
+    assert cache.layers[0].keys.untyped_storage().data_ptr() == storage
 
 
 def test_slot_layer_gives_rows_back_and_refills_in_one_reallocation() -> None:
