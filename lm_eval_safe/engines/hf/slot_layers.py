@@ -207,12 +207,19 @@ class SlotLayer(DynamicLayer):
         self, begin: int, runs: Sequence[Sequence[tuple[int, int, int]]], width: int, moves: Moves, back: Moves
     ) -> None:
         """Each row's slots from ``begin`` on become ``width`` slots: its runs ``(source slot,
-        target slot counted from begin, length)`` copied out, zeros in the rest. The copies go to a scratch tensor
-        first (``moves``) and come back by ``back``, run after it, as a run may move right over
-        slots another run still has to read."""
+        target slot counted from begin, length)`` copied out, zeros in the rest. The copies go to a
+        scratch tensor first (``moves``) and come back by ``back``, run after it, as a run may
+        move right over slots another run still has to read. A compaction of every slot
+        (``begin`` 0: slots left before every row's first token by rows that finished) writes
+        into new buffers instead, each slot copied once rather than out and back."""
         buffers, rows, held = self._held()
+        fresh = []
         for buffer in buffers:
-            scratch = buffer.new_empty((rows, buffer.shape[1], width, buffer.shape[3]))
+            if begin == 0:
+                scratch = buffer.new_empty(buffer.shape)
+                fresh.append(scratch)
+            else:
+                scratch = buffer.new_empty((rows, buffer.shape[1], width, buffer.shape[3]))
             for row, row_runs in enumerate(runs):
                 filled = 0
                 for source, target, length in row_runs:
@@ -220,7 +227,10 @@ class SlotLayer(DynamicLayer):
                     moves.copy(scratch[row, :, target : target + length], buffer[row, :, source : source + length])
                     filled = target + length
                 moves.zero(scratch[row, :, filled:width])
-            back.copy(buffer[:rows, :, begin : begin + width], scratch)
+            if begin > 0:
+                back.copy(buffer[:rows, :, begin : begin + width], scratch)
+        if fresh:
+            self._buffers = fresh
         self._extent = [(rows, begin + width)] * 2
 
     def update(

@@ -314,7 +314,7 @@ def test_slot_layer_row_and_slot_moves_equal_the_tensor_operations() -> None:
             kv_cache.widen_left(cache, grow)
             want = [torch.cat([t.new_zeros((*t.shape[:2], grow, t.shape[3])), t], dim=2) for t in want]
         elif move == "compact":
-            begin = rng.randint(0, slots - 1)
+            begin = rng.choice([0, rng.randint(0, slots - 1)])  # 0: every slot, into new buffers
             live = [sorted(rng.sample(range(begin, slots), rng.randint(0, slots - begin))) for _ in range(rows)]
             width = max(len(kept) for kept in live)
             kv_cache.compact_slots(cache, begin, live, width)
