@@ -123,7 +123,7 @@ class SafeDecoder:
         self.overlap = self.schedule.needs_verifiers and overlap_enabled(
             options.overlap, self.drafter, self.verifiers
         )
-        # benchmarks: each request's cycles (lm_eval_safe.decoder.latency), when set to a list
+        # benchmarks: each request's cycles (lm_eval_safe.decoder.latency) in the order they start
         self.cycle_log: list[list[CycleForwards]] | None = None
 
     # -- prompts -------------------------------------------------------------------------
@@ -247,9 +247,7 @@ class SafeDecoder:
             for slot, member in enumerate(self.verifiers, start=1):
                 prompt = self.prompt_ids(member, context, verifier_reserve(member, max_new_tokens))
                 verifiers.append(VerifierRun(member, prompt, self.options.verifier_cache, slot=slot))
-        state = RequestState(
-            drafter, verifiers, self.schedule, DraftWindow(self.options.draft_len), sampler
-        )
+        state = RequestState(drafter, verifiers, self.schedule, DraftWindow(self.options.draft_len), sampler)
         state.stats.sampled_requests = int(sampler is not None)
         return state
 
@@ -271,6 +269,8 @@ class SafeDecoder:
         if emit is not None:
             state.trace = ResponseTrace([m.name for m in (self.drafter, *self.verifiers)])
         stats, drafter = state.stats, self.drafter
+        if self.cycle_log is not None:
+            self.cycle_log.append(state.cycles)
         while len(state.generated) < max_new_tokens:
             budget = max_new_tokens - len(state.generated)
             n = state.schedule.draft_size(state.window, budget)
@@ -299,10 +299,9 @@ class SafeDecoder:
                 break
             if on_text is not None:
                 on_text(state.text)
-            yield CYCLE_END
+            if len(state.generated) < max_new_tokens:  # else its row leaves the batch now, not a cycle later
+                yield CYCLE_END
         state.count_work(max_new_tokens)
-        if self.cycle_log is not None:
-            self.cycle_log.append(state.cycles)
         stats.wall_seconds = time.perf_counter() - start_time
         stop = _find_stop(state.text, until)
         text = state.text if stop is None else state.text[:stop]
