@@ -31,6 +31,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from lm_eval_safe.bench.batch_packing import best_rows_apart, lock_step, packing_bound
+from lm_eval_safe.decoder.latency import CycleForwards
 from lm_eval_safe.decoder.loop import GenerationJob, SafeDecoder
 from lm_eval_safe.decoder.stats import total
 from lm_eval_safe.engines import instruments
@@ -171,6 +173,8 @@ class HostWork:
     host_ops: int | None = None
     texts: list[str] = field(default_factory=list)
     host_ms_per_token_repeats: list[float] = field(default_factory=list)  # every timed repeat
+    #: each request's cycles, in the order the requests started (:mod:`.batch_packing` replays them)
+    request_cycles: list[list[CycleForwards]] = field(default_factory=list)
 
     @property
     def host_ms_per_token(self) -> float:
@@ -219,7 +223,25 @@ class HostWork:
             },
             "forward_syncs_per_token": round(sum(self.forward_syncs.values()) / tokens, 3),
             "host_ms_per_token_repeats": self.host_ms_per_token_repeats,
-        } | self._device_summary()
+        } | self._device_summary() | self._packing_summary()
+
+    def _packing_summary(self) -> dict[str, Any]:
+        """Forwards per token had the same cycles been batched otherwise (:mod:`.batch_packing`):
+        as the driver runs them (which must give the forwards counted), with rows apart at the
+        best ``verify_at``, and the bound no schedule beats."""
+        if not self.request_cycles:
+            return {}
+        tokens, cycles, size = max(1, self.tokens), self.request_cycles, self.batch_size
+        verify_at, apart = best_rows_apart(cycles, size)
+        return {
+            "packing": {
+                "lock_step_forwards_per_token": round(lock_step(cycles, size).total / tokens, 4),
+                "rows_apart_forwards_per_token": round(apart.total / tokens, 4),
+                "rows_apart_verify_at": verify_at,
+                "bound_forwards_per_token": round(packing_bound(cycles, size).total / tokens, 4),
+                "drafts_per_token": round(sum(c.drafter for r in cycles for c in r) / tokens, 4),
+            }
+        }
 
     def _device_summary(self) -> dict[str, float | None]:
         tokens, forwards = max(1, self.tokens), sum(self.forwards.values())
@@ -265,10 +287,12 @@ def measure(
     try:
         with _engine_calls(members, work.engine_calls):
             clock.watch.settle()
+            decoder.cycle_log = []
             start = time.perf_counter()
             results = decoder.generate_many(jobs, batch_size)
             clock.watch.settle()
             work.wall_seconds = time.perf_counter() - start
+        work.request_cycles, decoder.cycle_log = decoder.cycle_log, None
         work.forward_seconds, work.forwards = clock.seconds, dict(clock.forwards)
         work.cache_move_seconds, work.heads_seconds = moves.seconds, cutting.seconds
     finally:

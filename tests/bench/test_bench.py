@@ -235,6 +235,30 @@ def test_the_forwards_table_takes_the_device_op_ratio_apart() -> None:
     assert table[5].split(" | ")[3:] == ["2.56x", "-", "12.00", "1.20x", "3.07x |"]
 
 
+def test_the_packing_table_states_the_bound_against_the_drafter() -> None:
+    """The bound's forwards per token over the drafter alone's at the same batch size, and the
+    device ops it would leave: the bound times this run's ops per forward over the drafter's
+    ops per token; batch-1 rows and the drafter's own are not replayed."""
+    from lm_eval_safe.bench.commands.host import packing_table
+
+    packing = {
+        "drafts_per_token": 1.2, "lock_step_forwards_per_token": 0.34, "rows_apart_forwards_per_token": 0.33,
+        "rows_apart_verify_at": 5, "bound_forwards_per_token": 0.27,
+    }
+    rows = [
+        {"configuration": "drafter", "batch_size": 8, "forwards_per_token": 0.15, "device_ops_per_token": 1.5,
+         "device_ops_per_forward": 10.0, "packing": packing},
+        {"configuration": "unite_safe", "batch_size": 1, "forwards_per_token": 1.5, "device_ops_per_token": 16.0,
+         "device_ops_per_forward": 11.0, "packing": packing},
+        {"configuration": "unite_safe", "batch_size": 8, "forwards_per_token": 0.34, "device_ops_per_token": 4.1,
+         "device_ops_per_forward": 12.0, "packing": packing},
+    ]
+    table = packing_table(rows).splitlines()
+    assert len(table) == 3
+    # 0.27 / 0.15 = 1.80x; 0.27 x 12 / 1.5 = 2.16x
+    assert table[2].split(" | ")[2:] == ["1.200", "0.340", "0.340", "0.330 (5)", "0.270", "1.80x", "2.16x |"]
+
+
 def test_the_host_profile_cuts_out_forwards_and_charges_the_innermost_frame_of_ours() -> None:
     """A sampled stack: time inside an ``nn.Module`` call is the forwards'; the rest goes to the
     part of the innermost frame of this package above it (torch's own frames included)."""

@@ -192,6 +192,37 @@ def forwards_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def packing_table(rows: list[dict]) -> str:
+    """What another batch driver could save (:mod:`lm_eval_safe.bench.batch_packing`): each
+    batched run's own cycles replayed, as the driver runs them (the forwards counted, a check of
+    the replay), with rows in different phases of their cycles (at the ``verify_at`` that runs
+    the fewest forwards), and the fewest forwards any schedule of them runs; that bound against
+    the drafter alone's forwards, and the device ops it would leave at this run's ops per forward."""
+    lines = [
+        "| configuration | batch | drafts/token | forwards/token as run | lock-step replay "
+        "| rows apart (verify_at) | **bound** | bound vs drafter | device ops vs drafter at the bound |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        packing = r.get("packing")
+        if r["batch_size"] == 1 or r["configuration"] == "drafter" or not packing:
+            continue
+        base = next((b for b in rows if b["configuration"] == "drafter" and b["batch_size"] == r["batch_size"]), None)
+        bound = packing["bound_forwards_per_token"]
+        versus = ops = "-"
+        if base is not None:
+            versus = f"{bound / base['forwards_per_token']:.2f}x"
+            if r["device_ops_per_forward"] is not None and base["device_ops_per_token"]:
+                ops = f"{bound * r['device_ops_per_forward'] / base['device_ops_per_token']:.2f}x"
+        lines.append(
+            f"| {r['configuration']} | {r['batch_size']} | {fmt(packing['drafts_per_token'], 3)} | "
+            f"{fmt(r['forwards_per_token'], 3)} | {fmt(packing['lock_step_forwards_per_token'], 3)} | "
+            f"{fmt(packing['rows_apart_forwards_per_token'], 3)} ({packing['rows_apart_verify_at']}) | "
+            f"{fmt(bound, 3)} | {versus} | {ops} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``lm-eval-safe bench host`` with a plain argument list."""
     return commands.main("host", argv)
@@ -242,6 +273,8 @@ def run(args: argparse.Namespace) -> int:
     print(table(rows))
     print("\nforwards per token and device ops per forward (their product is device ops per token)")
     print(forwards_table(rows))
+    print("\nthe same cycles batched otherwise: forwards per token (lm_eval_safe.bench.batch_packing)")
+    print(packing_table(rows))
     if args.json_out:
         report = {
             "config": {

@@ -266,8 +266,8 @@ def test_short_drafter_heads_widen_and_decide_as_the_full_rows(
 def test_bench_host_runs_end_to_end(tiny_bpe_dir: Path, tiny_sp_dir: Path, tmp_path: Path) -> None:
     """lm-eval-safe bench host on tiny members: every configuration at each batch size, the
     median of the timed repeats, the device work between the forwards (KV moves and heads,
-    timed in the same pass: the host time less it is below the host time) and the kernels the
-    counted pass saw launched."""
+    timed in the same pass: the host time less it is below the host time), the kernels the
+    counted pass saw launched, and the replay of each run's cycles."""
     import json
 
     from helpers import write_gsm8k
@@ -292,6 +292,11 @@ def test_bench_host_runs_end_to_end(tiny_bpe_dir: Path, tiny_sp_dir: Path, tmp_p
         forwards = sum(row["forwards"].values())
         assert row["forwards_per_token"] == pytest.approx(forwards / row["tokens"], abs=1e-4)
         assert row["device_ops_per_forward"] * forwards == pytest.approx(row["device_ops_per_token"] * row["tokens"], rel=0.01)
+        # the run's own cycles replayed as the driver batches them give the forwards it ran
+        packing = row["packing"]
+        assert packing["lock_step_forwards_per_token"] == row["forwards_per_token"]
+        assert packing["bound_forwards_per_token"] <= packing["rows_apart_forwards_per_token"]
+        assert packing["bound_forwards_per_token"] <= row["forwards_per_token"]
 
 
 @pytest.mark.parametrize("schedule", ["drafter", "safe", "every", "threshold"])
