@@ -31,6 +31,11 @@ Why it measures what it does
   a replacement threw away, and *rows per forward*: the batch-1 run's forwards over this one's,
   what lock-step cycles give up where rows draft windows of different lengths) times device
   ops per forward (the heads cut from each).
+  A third replays each batched run's own cycles (:mod:`lm_eval_safe.bench.batch_packing`): as
+  the driver batches them (it must give the forwards counted), with rows in different phases
+  of their cycles, and the fewest forwards any schedule of the same cycles could run, so a
+  change to the driver is judged before it is written: the bound against the drafter's
+  forwards, and the device ops it would leave at this run's ops per forward.
   ``--profile CONFIG:BATCH`` then samples one run (:mod:`lm_eval_safe.bench.host_profile`) and
   says where the host time went, by part of the cycle.
 * On a GPU (``--device cuda``) every clock times the device's stream with CUDA events (the host's
